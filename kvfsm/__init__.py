@@ -1,0 +1,68 @@
+"""kvfsm: the lifecycle layer for KV-cache transfers in disaggregated LLM serving.
+
+Each transfer ("room") runs through an explicit state machine declared once
+with `transitions`: Bootstrapping -> WaitingForInput -> Transferring ->
+Success, or Failed from anywhere. Backends only emit events on a room's
+handle; the machine's hooks alone write the status table the scheduler
+reads; abort is a guarded transition valid from every non-terminal state.
+
+    >>> import kvfsm
+    >>> manager = kvfsm.TransferManager("receiver")
+    >>> room = manager.open(42)
+    >>> room.bootstrapped(), room.transfer_started()
+    (True, True)
+    >>> room.abort("client went away")
+    True
+    >>> manager.status(42)
+    <KVPoll.Failed: 0>
+    >>> room.transfer_done()          # a late Success never overwrites Failed
+    False
+    >>> manager.stats.late_events
+    1
+
+This package imports neither torch nor zmq; the adapters under
+`kvfsm.backends` do.
+"""
+
+from ._errors import (
+    ConfigError,
+    DuplicateRoom,
+    InvalidTransition,
+    KVFSMError,
+    KVTransferError,
+    RoomNotFailed,
+    UnknownRoom,
+)
+from ._manager import TransferHandle, TransferManager
+from ._observe import Observer, StateChange
+from ._states import NON_TERMINAL, TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._status import ManagerStats
+from ._table import EVENTS, TRANSITIONS, TransitionSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVPoll",
+    "TERMINAL",
+    "NON_TERMINAL",
+    "Role",
+    "Timeouts",
+    "FailureKind",
+    "FailureReason",
+    "TransferManager",
+    "TransferHandle",
+    "ManagerStats",
+    "StateChange",
+    "Observer",
+    "TransitionSpec",
+    "TRANSITIONS",
+    "EVENTS",
+    "KVFSMError",
+    "ConfigError",
+    "KVTransferError",
+    "InvalidTransition",
+    "DuplicateRoom",
+    "UnknownRoom",
+    "RoomNotFailed",
+    "__version__",
+]

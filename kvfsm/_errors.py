@@ -1,0 +1,110 @@
+"""kvfsm's exceptions: one root, each also a subclass of the builtin it resembles.
+
+`except kvfsm.KVFSMError` catches everything the library raises on purpose;
+`except KeyError` still catches an unknown room, `except ValueError` a bad
+configuration, so code written against dict-and-flag lifecycles keeps working.
+Every message names what was expected and what arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._states import FailureReason, KVPoll
+
+__all__ = [
+    "KVFSMError",
+    "ConfigError",
+    "KVTransferError",
+    "InvalidTransition",
+    "DuplicateRoom",
+    "UnknownRoom",
+    "RoomNotFailed",
+]
+
+
+class KVFSMError(Exception):
+    """Root of every error kvfsm raises on purpose."""
+
+
+class ConfigError(KVFSMError, ValueError):
+    """A setting (role, timeout, interval, ...) has a value that cannot work."""
+
+
+class KVTransferError(KVFSMError, RuntimeError):
+    """A room's transfer failed; carries the room and the structured reason."""
+
+    def __init__(self, room: Hashable, reason: FailureReason | None) -> None:
+        self.room = room
+        self.reason = reason
+        super().__init__(room, reason)
+
+    @property
+    def is_from_another_rank(self) -> bool:
+        """SGLang's name for "the reason was reported by the peer"."""
+        return self.reason is not None and self.reason.from_peer
+
+    def __str__(self) -> str:
+        if self.reason is None:
+            return f"KV transfer of room {self.room!r} failed (no reason recorded)"
+        return f"KV transfer of room {self.room!r} failed: {self.reason}"
+
+
+class InvalidTransition(KVFSMError, RuntimeError):
+    """Strict mode: an event arrived that the room's current state does not accept."""
+
+    def __init__(self, room: Hashable, state: KVPoll, event: str, allowed: Iterable[str]) -> None:
+        self.room = room
+        self.state = state
+        self.event = event
+        self.allowed = tuple(allowed)
+        super().__init__(room, state, event, self.allowed)
+
+    def __str__(self) -> str:
+        allowed = ", ".join(self.allowed) or "none (terminal)"
+        return (
+            f"room {self.room!r} is {self.state.name}: event {self.event!r} is not allowed there (allowed: {allowed})"
+        )
+
+
+class DuplicateRoom(KVFSMError, ValueError):
+    """`open()` was called for a room that is already open."""
+
+    def __init__(self, room: Hashable, state: KVPoll, generation: int) -> None:
+        self.room = room
+        self.state = state
+        self.generation = generation
+        super().__init__(room, state, generation)
+
+    def __str__(self) -> str:
+        return (
+            f"room {self.room!r} is already open (generation {self.generation}, {self.state.name}); "
+            f"close it before opening it again"
+        )
+
+
+class UnknownRoom(KVFSMError, KeyError):
+    """A room was looked up that is not open: never opened, or already closed."""
+
+    def __init__(self, room: Hashable, detail: str) -> None:
+        self.room = room
+        self.detail = detail
+        super().__init__(room, detail)
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ would show the repr of the args tuple.
+        return f"room {self.room!r} is not open: {self.detail}"
+
+
+class RoomNotFailed(KVFSMError, RuntimeError):
+    """`failure_exception()` was asked of a room that has not failed."""
+
+    def __init__(self, room: Hashable, state: KVPoll) -> None:
+        self.room = room
+        self.state = state
+        super().__init__(room, state)
+
+    def __str__(self) -> str:
+        return f"room {self.room!r} has not failed (it is {self.state.name}); there is no failure to raise"

@@ -1,0 +1,686 @@
+"""`TransferManager` and `TransferHandle`: rooms opened, driven, closed.
+
+The manager owns one lock, the status table, the deadlines and the
+observers of one role. Every event goes through `TransferManager._fire`,
+the single choke point (h11's `_process_event`): under the lock it enforces
+due deadlines, decides whether the event applies to the room's state (from
+the table compiled out of the `transitions` machine), and lets the engine
+run the machine's hooks, which alone write the status table. Logging and
+observers run after the lock is released.
+
+Decisions, and the rule of DESIGN.md each one keeps:
+
+* A terminal room absorbs everything; the event is counted in
+  `stats.late_events` (rule 2). An out-of-order event on a live room fails
+  it with `INVALID_EVENT`, or raises `InvalidTransition` in strict mode and
+  changes nothing (rule 3).
+* The handle *is* the record of one generation of a room. Closing a room
+  marks its handle closed and removes it from the table; a stale handle's
+  events are counted and dropped, so they can never reach a reopened room
+  of the same id (rule 4). A bounded memory of recently closed rooms keeps
+  `UnknownRoom` messages specific without growing forever.
+* `abort()` runs the `abort` event under the lock and returns after the
+  hooks wrote `Failed` (rule 5).
+* A `Failed` room is release-safe once its backend called
+  `writes_drained()`, or once `Timeouts.drain` has passed since it failed
+  (rule 6).
+* Deadlines are checked on every event and status read and, if started, by
+  one reaper thread per manager (rule 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator
+from types import TracebackType
+from typing import NoReturn, cast
+
+from . import _status
+from ._errors import ConfigError, DuplicateRoom, InvalidTransition, KVTransferError, RoomNotFailed, UnknownRoom
+from ._machine import ENGINES, CompiledEngine, Step, lifecycle_machine
+from ._observe import Observer, StateChange
+from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._status import ManagerStats, StatusTable
+
+__all__ = ["TransferManager", "TransferHandle"]
+
+logger = logging.getLogger("kvfsm")
+
+DEFAULT_TIMEOUTS = Timeouts()
+_DRAIN_PENDING, _DRAINED, _DRAIN_DEADLINE = 0, 1, 2
+_PHASE_NAMES = {
+    KVPoll.Bootstrapping: "bootstrap",
+    KVPoll.WaitingForInput: "waiting",
+    KVPoll.Transferring: "transferring",
+}
+
+
+def _check_room_id(room: object) -> None:
+    if isinstance(room, bool) or not isinstance(room, (int, str)):
+        raise TypeError(f"room must be an int or a str (a bootstrap room id); got {type(room).__name__}: {room!r}")
+
+
+class TransferHandle:
+    """One room, one generation: the only way events reach that room.
+
+    Event methods return True when the event changed the room, False when
+    it was absorbed: late (the room is terminal), stale (this generation was
+    closed) or out of order (the room failed with `INVALID_EVENT` instead).
+    `state` is a plain attribute, cheap enough to read every scheduler
+    iteration; `poll()` also enforces due deadlines first.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_drain",
+        "_manager",
+        "_table",
+        "chunks",
+        "closed",
+        "entered_at",
+        "finished_at",
+        "generation",
+        "last_chunk_at",
+        "nbytes",
+        "opened_at",
+        "reason",
+        "room",
+        "state",
+        "transfer_started_at",
+    )
+
+    def __init__(self, manager: TransferManager, room: Hashable, generation: int, now: float) -> None:
+        self.room = room
+        self.generation = generation
+        # The machine sets the real initial state through its entry hook.
+        self.state = KVPoll.Bootstrapping
+        self.reason: FailureReason | None = None
+        self.opened_at = now
+        self.entered_at = now
+        self.transfer_started_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.finished_at: float | None = None
+        self.nbytes = 0
+        self.chunks = 0
+        self.closed = False
+        self._drain = _DRAIN_PENDING
+        self._manager = manager
+        self._table = manager._table
+
+    # -- events ---------------------------------------------------------------
+
+    def bootstrapped(self) -> bool:
+        """Handshake done: Bootstrapping -> WaitingForInput."""
+        return self._manager._fire(self, "bootstrapped")
+
+    def transfer_started(self) -> bool:
+        """First chunk issued: WaitingForInput -> Transferring."""
+        return self._manager._fire(self, "transfer_started")
+
+    def chunk_done(self, nbytes: int, last: bool = False) -> bool:
+        """A chunk of `nbytes` landed (progress; the state stays Transferring)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"chunk_done(nbytes) of room {self.room!r} must be an int; got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"chunk_done(nbytes) of room {self.room!r} must be >= 0; got {nbytes}")
+        return self._manager._fire(self, "chunk_done", None, nbytes, bool(last))
+
+    def transfer_done(self) -> bool:
+        """Every chunk and the commit marker landed: Transferring -> Success."""
+        return self._manager._fire(self, "transfer_done")
+
+    def fail(self, reason: FailureReason) -> bool:
+        """A structured failure from the backend or peer: -> Failed."""
+        if not isinstance(reason, FailureReason):
+            raise TypeError(
+                f"fail() of room {self.room!r} needs a kvfsm.FailureReason; got {type(reason).__name__}: {reason!r}"
+            )
+        return self._manager._fire(self, "fail", reason)
+
+    def abort(self, reason: str = "aborted") -> bool:
+        """Give up on the room. Synchronous and idempotent.
+
+        When this returns, the status table says `Failed` and the reason is
+        recorded. On a terminal room it changes nothing (counted as late).
+        """
+        if not isinstance(reason, str):
+            raise TypeError(
+                f"abort() of room {self.room!r} takes a str reason; got {type(reason).__name__}: {reason!r}"
+            )
+        return self._manager._fire(self, "abort", FailureReason(FailureKind.ABORTED, reason))
+
+    def writes_drained(self) -> None:
+        """The backend guarantees no write into this room's pages is in flight.
+
+        Not a lifecycle event: it never changes the state. It opens the
+        release gate of a `Failed` room; on any other room it is ignored.
+        """
+        self._manager._drained(self)
+
+    def close(self) -> None:
+        """Close this generation of the room (see `TransferManager.close`)."""
+        self._manager._close(self)
+
+    # -- reads ------------------------------------------------------------------
+
+    def poll(self) -> KVPoll:
+        """The state after enforcing due deadlines (what a scheduler should call)."""
+        manager = self._manager
+        if manager._clock() >= self._table.deadlines.next_due:
+            manager.check_deadlines()
+        if self.closed:
+            raise manager._unknown(self.room)
+        return self.state
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def failure(self) -> FailureReason | None:
+        """The reason the room failed, or None (also None once closed)."""
+        return self.reason
+
+    @property
+    def release_safe(self) -> bool:
+        """Whether the server may free this room's KV pages now (rule 6)."""
+        return self._manager._release_safe(self)
+
+    @property
+    def transfer_latency(self) -> float | None:
+        """Seconds from the first chunk's start to the last chunk's completion."""
+        if self.transfer_started_at is None:
+            return None
+        end = self.last_chunk_at if self.last_chunk_at is not None else self.finished_at
+        if end is None:
+            return None
+        return end - self.transfer_started_at
+
+    def failure_exception(self) -> NoReturn:
+        """Raise `KVTransferError` with this room's recorded reason.
+
+        Raises `RoomNotFailed` if the room has not failed.
+        """
+        if self.state is not KVPoll.Failed:
+            raise RoomNotFailed(self.room, self.state)
+        raise KVTransferError(self.room, self.reason)
+
+    def __repr__(self) -> str:
+        closed = ", closed" if self.closed else ""
+        return f"<TransferHandle room={self.room!r} gen={self.generation} {self.state.name}{closed}>"
+
+
+class TransferManager:
+    """All rooms of one role (prefill = sender, decode = receiver) in one process.
+
+    `open(room)` returns the room's handle; backends drive it with events,
+    the scheduler reads `status(room)` or `handle.state`, frees pages when
+    `release_safe(room)` and finally `close(room)`. Thread-safe: events may
+    come from any thread while another polls.
+    """
+
+    def __init__(
+        self,
+        role: Role | str,
+        *,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        clock: Callable[[], float] = time.monotonic,
+        strict: bool = False,
+        engine: str = "compiled",
+        remember_closed: int = 65536,
+    ) -> None:
+        self.role = Role.coerce(role)
+        if not isinstance(timeouts, Timeouts):
+            raise TypeError(f"timeouts must be a kvfsm.Timeouts; got {type(timeouts).__name__}: {timeouts!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds; got {clock!r}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool; got {strict!r}")
+        if engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {sorted(ENGINES)}; got {engine!r}")
+        if isinstance(remember_closed, bool) or not isinstance(remember_closed, int) or remember_closed < 0:
+            raise ConfigError(f"remember_closed must be an int >= 0; got {remember_closed!r}")
+        self.timeouts = timeouts
+        self.strict = strict
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._table = StatusTable(timeouts)
+        self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role))
+        self._rows = self._engine.rows
+        self._rooms: dict[Hashable, TransferHandle] = {}
+        self._closed: OrderedDict[Hashable, tuple[int, KVPoll]] = OrderedDict()
+        self._remember_closed = remember_closed
+        self._generation = 0
+        self._observers: tuple[Observer, ...] = ()
+        self._outbox: deque[StateChange] = deque()
+        self._dispatching = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop: threading.Event | None = None
+
+    # -- public reads -----------------------------------------------------------
+
+    @property
+    def stats(self) -> ManagerStats:
+        """Counters since creation (late, invalid, timeouts, final states, ...)."""
+        return self._table.stats
+
+    @property
+    def engine(self) -> str:
+        return self._engine.name
+
+    def status(self, room: Hashable) -> KVPoll:
+        """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
+        if self._clock() >= self._table.deadlines.next_due:
+            self.check_deadlines()
+        try:
+            return self._table.status[room]
+        except KeyError:
+            raise self._unknown(room) from None
+
+    def get(self, room: Hashable) -> TransferHandle:
+        """The handle of the open room; `UnknownRoom` if not open."""
+        try:
+            return self._rooms[room]
+        except KeyError:
+            raise self._unknown(room) from None
+
+    def failure(self, room: Hashable) -> FailureReason | None:
+        """The recorded reason of a `Failed` room, else None."""
+        return self.get(room).reason
+
+    def release_safe(self, room: Hashable) -> bool:
+        """Whether the server may free the room's KV pages now (rule 6)."""
+        return self._release_safe(self.get(room))
+
+    def counts(self) -> dict[KVPoll, int]:
+        """Open rooms per state (every state listed, zeros included)."""
+        live = self._table.live
+        return {state: live[state] for state in KVPoll}
+
+    def allowed_events(self, state: KVPoll) -> tuple[str, ...]:
+        """Events the table accepts in `state`, in declaration order."""
+        return tuple(name for name, row in self._rows.items() if row[state] is not None)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __iter__(self) -> Iterator[TransferHandle]:
+        """A snapshot of the open rooms' handles."""
+        with self._lock:
+            return iter(list(self._rooms.values()))
+
+    def __repr__(self) -> str:
+        return f"<TransferManager {self.role.value} open={len(self._rooms)} engine={self._engine.name}>"
+
+    # -- rooms ------------------------------------------------------------------
+
+    def open(self, room: Hashable) -> TransferHandle:
+        """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
+        _check_room_id(room)
+        notices: list[StateChange] = []
+        expired: list[TransferHandle] = []
+        try:
+            with self._lock:
+                now = self._clock()
+                if now >= self._table.deadlines.next_due:
+                    self._expire(now, expired, notices)
+                existing = self._rooms.get(room)
+                if existing is not None:
+                    raise DuplicateRoom(room, existing.state, existing.generation)
+                self._generation += 1
+                handle = TransferHandle(self, room, self._generation, now)
+                self._rooms[room] = handle
+                self._closed.pop(room, None)
+                self._engine.enter_initial(handle, now)
+                self._table.stats.opened += 1
+                if self._observers:
+                    notices.append(StateChange(self.role, room, handle.generation, "open", None, handle.state, now))
+        finally:
+            if expired or notices:
+                self._after(expired, notices)
+        return handle
+
+    def close(self, room: Hashable) -> None:
+        """Close the open room: forget its status and reason, keep a tombstone.
+
+        A room still in flight is aborted first, so nothing that waits on it
+        hangs. Free its pages before closing, once `release_safe(room)`.
+        """
+        self._close(self.get(room))
+
+    def check_deadlines(self) -> list[Hashable]:
+        """Fail every room whose phase deadline passed; return their ids."""
+        notices: list[StateChange] = []
+        expired: list[TransferHandle] = []
+        with self._lock:
+            self._expire(self._clock(), expired, notices)
+        if expired or notices:
+            self._after(expired, notices)
+        return [handle.room for handle in expired]
+
+    # -- observers and the reaper ---------------------------------------------------
+
+    def subscribe(self, observer: Observer) -> Callable[[], None]:
+        """Call `observer(StateChange)` after every step; returns an unsubscribe function.
+
+        Observers run after the manager's lock is released, in the order the
+        steps happened (possibly on another emitting thread). An exception in
+        an observer is logged and does not reach the emitter.
+        """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable; got {observer!r}")
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._observers = tuple(o for o in self._observers if o is not observer)
+
+        return unsubscribe
+
+    def start_reaper(self, interval: float | None = None) -> None:
+        """Start one daemon thread that calls `check_deadlines()` every `interval` s.
+
+        The default interval is a tenth of the shortest configured phase
+        timeout, between 10 ms and 1 s. Starting a running reaper does nothing.
+        """
+        if interval is None:
+            limits = [t for t in (self.timeouts.bootstrap, self.timeouts.waiting, self.timeouts.transferring) if t]
+            interval = min(1.0, max(0.01, min(limits) / 10)) if limits else 1.0
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not (interval > 0 and math.isfinite(interval))
+        ):
+            raise ConfigError(f"reaper interval must be a positive number of seconds; got {interval!r}")
+        with self._lock:
+            if self._reaper is not None and self._reaper.is_alive():
+                return
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=self._reap, args=(stop, float(interval)), name=f"kvfsm-reaper-{self.role.value}", daemon=True
+            )
+            self._reaper, self._reaper_stop = thread, stop
+        thread.start()
+
+    def stop_reaper(self, timeout: float | None = 5.0) -> None:
+        """Stop the reaper thread, if any, and wait for it to end."""
+        with self._lock:
+            thread, stop = self._reaper, self._reaper_stop
+            self._reaper = self._reaper_stop = None
+        if thread is not None and stop is not None:
+            stop.set()
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+    @property
+    def reaper_running(self) -> bool:
+        return self._reaper is not None and self._reaper.is_alive()
+
+    def __enter__(self) -> TransferManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_reaper()
+
+    def _reap(self, stop: threading.Event, interval: float) -> None:
+        while not stop.wait(interval):
+            try:
+                self.check_deadlines()
+            except Exception:  # pragma: no cover - a reaper must outlive a bad observer or clock
+                logger.exception("kvfsm %s reaper: check_deadlines failed", self.role.value)
+
+    # -- the choke point ------------------------------------------------------------
+
+    def _fire(
+        self,
+        handle: TransferHandle,
+        event: str,
+        reason: FailureReason | None = None,
+        nbytes: int = 0,
+        last: bool = False,
+    ) -> bool:
+        notices: list[StateChange] = []
+        expired: list[TransferHandle] = []
+        applied = False
+        late: KVPoll | None = None
+        invalid: str | None = None
+        error: InvalidTransition | None = None
+        with self._lock:
+            now = self._clock()
+            if now >= self._table.deadlines.next_due:
+                self._expire(now, expired, notices)
+            state = handle.state
+            if handle.closed:
+                stats = self._table.stats
+                stats.late_events += 1
+                stats.stale_events += 1
+                late = state
+            else:
+                step = self._rows[event][state]
+                if step is None:
+                    if state in TERMINAL:
+                        self._table.stats.late_events += 1
+                        late = state
+                    else:
+                        self._table.stats.invalid_events += 1
+                        allowed = self.allowed_events(state)
+                        if self.strict:
+                            error = InvalidTransition(handle.room, state, event, allowed)
+                        else:
+                            invalid = event
+                            reason = FailureReason(
+                                FailureKind.INVALID_EVENT,
+                                f"event {event!r} is not allowed in {state.name} (allowed: {', '.join(allowed)})",
+                                state,
+                            )
+                            self._apply(handle, self._rows["fail"][state], now, reason, notices)  # type: ignore[arg-type]
+                else:
+                    if reason is not None and reason.state is None:
+                        reason = FailureReason(reason.kind, reason.message, state, reason.from_peer)
+                    if step.dest is None:
+                        handle.nbytes += nbytes
+                        handle.chunks += 1
+                        if last:
+                            handle.last_chunk_at = now
+                    elif event == "abort":
+                        self._table.stats.aborts += 1
+                    self._apply(handle, step, now, reason, notices, nbytes, last)
+                    applied = True
+        if expired or notices:
+            self._after(expired, notices)
+        if error is not None:
+            raise error
+        if late is not None:
+            logger.debug(
+                "kvfsm %s room %r gen %d: %s event %r ignored (room is %s)",
+                self.role.value,
+                handle.room,
+                handle.generation,
+                "stale" if handle.closed else "late",
+                event,
+                late.name,
+            )
+        elif invalid is not None:
+            logger.warning(
+                "kvfsm %s room %r: out-of-order event %r failed the room: %s",
+                self.role.value,
+                handle.room,
+                invalid,
+                handle.reason,
+            )
+        elif applied and reason is not None:
+            self._log_failure(handle, reason)
+        return applied
+
+    def _apply(
+        self,
+        handle: TransferHandle,
+        step: Step,
+        now: float,
+        reason: FailureReason | None,
+        notices: list[StateChange],
+        nbytes: int = 0,
+        last: bool = False,
+    ) -> None:
+        """Run one step under the lock and queue its notice."""
+        self._engine.fire(handle, step, now, reason)
+        if self._observers:
+            notices.append(
+                StateChange(
+                    self.role,
+                    handle.room,
+                    handle.generation,
+                    step.event,
+                    step.source,
+                    handle.state,
+                    now,
+                    reason,
+                    nbytes,
+                    last,
+                )
+            )
+
+    def _expire(self, now: float, expired: list[TransferHandle], notices: list[StateChange]) -> None:
+        """Fail every room whose deadline is due (lock held)."""
+        deadlines = self._table.deadlines
+        for handle, state, limit in deadlines.due(now):
+            reason = FailureReason(
+                FailureKind.TIMEOUT,
+                f"{_PHASE_NAMES[state]} deadline of {limit:g}s passed ({state.name} since t={handle.entered_at:.3f}, now t={now:.3f})",
+                state,
+            )
+            self._table.stats.timeouts += 1
+            self._apply(handle, self._rows["timeout"][state], now, reason, notices)  # type: ignore[arg-type]
+            expired.append(cast(TransferHandle, handle))
+        deadlines.refresh()
+
+    def _after(self, expired: list[TransferHandle], notices: list[StateChange]) -> None:
+        """Outside the lock: log timeouts, hand notices to observers."""
+        for handle in expired:
+            logger.warning("kvfsm %s room %r timed out: %s", self.role.value, handle.room, handle.reason)
+        if notices:
+            self._outbox.extend(notices)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        # Whoever holds _dispatching delivers everything queued, in order; a
+        # thread that finds it taken leaves its notices to that thread. The
+        # re-check after release catches notices queued in between.
+        while self._outbox:
+            if not self._dispatching.acquire(blocking=False):
+                return
+            try:
+                while True:
+                    try:
+                        notice = self._outbox.popleft()
+                    except IndexError:
+                        break
+                    for observer in self._observers:
+                        try:
+                            observer(notice)
+                        except Exception:
+                            logger.exception(
+                                "kvfsm %s observer %r failed on room %r event %r",
+                                self.role.value,
+                                observer,
+                                notice.room,
+                                notice.event,
+                            )
+            finally:
+                self._dispatching.release()
+
+    def _log_failure(self, handle: TransferHandle, reason: FailureReason) -> None:
+        if reason.kind is FailureKind.ABORTED and not reason.from_peer:
+            logger.info("kvfsm %s room %r aborted: %s", self.role.value, handle.room, reason)
+        else:
+            logger.warning("kvfsm %s room %r failed: %s", self.role.value, handle.room, reason)
+
+    def _drained(self, handle: TransferHandle) -> None:
+        with self._lock:
+            if handle.closed or handle.state is not KVPoll.Failed:
+                ignored = handle.state
+            else:
+                handle._drain = _DRAINED
+                return
+        logger.debug(
+            "kvfsm %s room %r: writes_drained ignored (room is %s%s)",
+            self.role.value,
+            handle.room,
+            ignored.name,
+            ", closed" if handle.closed else "",
+        )
+
+    def _release_safe(self, handle: TransferHandle) -> bool:
+        state = handle.state
+        if state is KVPoll.Success:
+            return True
+        if state is not KVPoll.Failed:
+            return False
+        if handle._drain != _DRAIN_PENDING:
+            return True
+        drain = self.timeouts.drain
+        if drain is None or handle.finished_at is None:
+            return False
+        if self._clock() < handle.finished_at + drain:
+            return False
+        with self._lock:
+            first = handle._drain == _DRAIN_PENDING
+            if first:
+                handle._drain = _DRAIN_DEADLINE
+                self._table.stats.drain_deadline_releases += 1
+        if first:
+            logger.warning(
+                "kvfsm %s room %r: drain deadline of %gs passed without writes_drained(); "
+                "its pages are released although a peer write may still land",
+                self.role.value,
+                handle.room,
+                drain,
+            )
+        return True
+
+    def _close(self, handle: TransferHandle) -> None:
+        if not handle.closed and not handle.is_terminal:
+            handle.abort(f"closed while {handle.state.name}")
+        notices: list[StateChange] = []
+        with self._lock:
+            closed_already = handle.closed
+            if not closed_already:
+                now = self._clock()
+                final = handle.state
+                handle.closed = True
+                del self._rooms[handle.room]
+                _status.retire(handle)
+                if self._remember_closed:
+                    self._closed[handle.room] = (handle.generation, final)
+                    if len(self._closed) > self._remember_closed:
+                        self._closed.popitem(last=False)
+                if self._observers:
+                    notices.append(StateChange(self.role, handle.room, handle.generation, "close", final, None, now))
+        if closed_already:
+            raise self._unknown(handle.room)
+        if notices:
+            self._after([], notices)
+
+    def _unknown(self, room: Hashable) -> UnknownRoom:
+        live = self._rooms.get(room)
+        if live is not None:  # a stale handle of a reopened room
+            return UnknownRoom(
+                room, f"this handle's generation was closed; the room is open again as generation {live.generation}"
+            )
+        closed = self._closed.get(room)
+        if closed is not None:
+            generation, final = closed
+            return UnknownRoom(room, f"it was closed (generation {generation}, final state {final.name})")
+        if self._remember_closed:
+            return UnknownRoom(room, f"it was never opened on this {self.role.value} manager (or was closed long ago)")
+        return UnknownRoom(room, f"it was never opened on this {self.role.value} manager, or was closed")

@@ -1,0 +1,161 @@
+"""The vocabulary of a transfer's lifecycle: states, roles, failure reasons.
+
+Everything here is plain data with no behaviour beyond validation, so every
+other module (the table, the machine, the manager, adapters, metrics) can
+import it without pulling anything else in.
+
+`KVPoll` keeps SGLang's integer values on purpose: servers all-reduce the
+polled status across ranks with MIN, so `Failed=0` must stay the smallest
+value ("any rank failed means the request failed everywhere") and `Success`
+the largest ("every rank must succeed").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "KVPoll",
+    "TERMINAL",
+    "NON_TERMINAL",
+    "Role",
+    "FailureKind",
+    "FailureReason",
+    "Timeouts",
+]
+
+
+class KVPoll(enum.IntEnum):
+    """The status of one transfer ("room"), with SGLang's values."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+#: States no event can leave.
+TERMINAL: frozenset[KVPoll] = frozenset({KVPoll.Success, KVPoll.Failed})
+#: States a room can still move out of, in lifecycle order.
+NON_TERMINAL: tuple[KVPoll, ...] = (
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+)
+
+
+class Role(str, enum.Enum):
+    """Which side of a transfer a manager runs: prefill sends, decode receives."""
+
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+    @classmethod
+    def coerce(cls, value: Role | str) -> Role:
+        """Accept a `Role` or its string value; anything else is a clear error."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        # Imported here: _errors imports this module for KVPoll in messages.
+        from ._errors import ConfigError
+
+        allowed = ", ".join(repr(r.value) for r in cls)
+        raise ConfigError(f"role must be a kvfsm.Role or one of {allowed}; got {value!r}")
+
+
+class FailureKind(str, enum.Enum):
+    """Why a room failed. The string values are stable labels for metrics."""
+
+    ABORTED = "aborted"
+    TIMEOUT = "timeout"
+    PEER_FAILED = "peer_failed"
+    PEER_LOST = "peer_lost"
+    TRANSFER_ERROR = "transfer_error"
+    INVALID_EVENT = "invalid_event"
+    BOOTSTRAP_ERROR = "bootstrap_error"
+
+
+def _check_kind(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, FailureKind):
+        allowed = ", ".join(k.name for k in FailureKind)
+        raise TypeError(f"FailureReason.kind must be a kvfsm.FailureKind ({allowed}); got {value!r}")
+
+
+def _check_message(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"FailureReason.message must be a str; got {type(value).__name__}: {value!r}")
+
+
+def _check_state(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, KVPoll):
+        raise TypeError(f"FailureReason.state must be a kvfsm.KVPoll or None; got {value!r}")
+
+
+@attrs.frozen(slots=True)
+class FailureReason:
+    """A structured failure: what went wrong, in which state, and whose fault.
+
+    `state` is the state the room was in when it failed. Leave it `None` when
+    building a reason to pass to `handle.fail()`: the manager fills it in.
+    `from_peer` is true when the other side of the transfer reported it.
+    """
+
+    kind: FailureKind = attrs.field(validator=_check_kind)
+    message: str = attrs.field(default="", validator=_check_message)
+    state: KVPoll | None = attrs.field(default=None, validator=_check_state)
+    from_peer: bool = attrs.field(default=False, converter=bool)
+
+    def __str__(self) -> str:
+        where = f" in {self.state.name}" if self.state is not None else ""
+        peer = " (reported by peer)" if self.from_peer else ""
+        text = f": {self.message}" if self.message else ""
+        return f"{self.kind.name}{where}{peer}{text}"
+
+
+def _seconds_or_none(name: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+        from ._errors import ConfigError
+
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"Timeouts.{name} must be a number of seconds or None; got {value!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"Timeouts.{name} must be positive and finite (or None for no deadline); got {value!r}")
+
+    return check
+
+
+@attrs.frozen(slots=True)
+class Timeouts:
+    """Deadlines in seconds for each phase, measured from entering it.
+
+    `None` means the phase never times out. `drain` bounds how long a `Failed`
+    room waits for its backend to report writes drained before its pages are
+    considered safe to release anyway (see the release gate).
+    """
+
+    bootstrap: float | None = attrs.field(default=300.0, validator=_seconds_or_none("bootstrap"))
+    waiting: float | None = attrs.field(default=300.0, validator=_seconds_or_none("waiting"))
+    transferring: float | None = attrs.field(default=None, validator=_seconds_or_none("transferring"))
+    drain: float | None = attrs.field(default=30.0, validator=_seconds_or_none("drain"))
+
+    def for_state(self, state: KVPoll) -> float | None:
+        """The deadline of the phase `state` belongs to (None for terminal states)."""
+        if state is KVPoll.Bootstrapping:
+            return self.bootstrap
+        if state is KVPoll.WaitingForInput:
+            return self.waiting
+        if state is KVPoll.Transferring:
+            return self.transferring
+        return None
