@@ -11,13 +11,24 @@ read) costs one float comparison when nothing is due.
 
 Pure bookkeeping: no clock, no threads, no IO. The manager owns the clock
 and the lock and calls in here under that lock.
+
+`arm` and `disarm` are what the generic status hooks call. The compiled
+engine inlines the same two steps into its generated code instead (see
+`inline_arm` / `inline_disarm` and `_machine.py`), specialised per phase: a
+phase without a timeout costs nothing at all there.
+
+An `OrderedDict` rather than a plain dict on purpose: a dict keeps the
+holes of deleted keys at its front until its next resize, so finding the
+head after many rooms left (or timed out) could scan O(n) holes on every
+check. The ordered dict's linked list finds the head in O(1) always.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Hashable
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._states import NON_TERMINAL, KVPoll, Timeouts
 
@@ -25,6 +36,9 @@ __all__ = ["PhaseDeadlines"]
 
 
 class _Timed(Protocol):
+    @property
+    def room(self) -> Hashable: ...
+
     entered_at: float
 
 
@@ -39,7 +53,10 @@ class PhaseDeadlines(Generic[R]):
     def __init__(self, timeouts: Timeouts) -> None:
         # Indexed by KVPoll value; None where the phase has no deadline.
         self._limits: list[float | None] = [None] * len(KVPoll)
-        self._queues: list[OrderedDict[R, None] | None] = [None] * len(KVPoll)
+        # Keyed by room id, not by record: ids are often sequential, so the
+        # queue's hash table is walked in order (the record's hash is its
+        # address, which scatters over memory at a million rooms).
+        self._queues: list[OrderedDict[Hashable, R] | None] = [None] * len(KVPoll)
         for state in NON_TERMINAL:
             limit = timeouts.for_state(state)
             if limit is not None:
@@ -57,7 +74,7 @@ class PhaseDeadlines(Generic[R]):
         """`room` just entered `state` at `now`."""
         queue = self._queues[state]
         if queue is not None:
-            queue[room] = None
+            queue[room.room] = room
             due = now + self._limits[state]  # type: ignore[operator]
             if due < self.next_due:
                 self.next_due = due
@@ -66,7 +83,7 @@ class PhaseDeadlines(Generic[R]):
         """`room` is leaving `state`."""
         queue = self._queues[state]
         if queue is not None:
-            queue.pop(room, None)
+            queue.pop(room.room, None)
 
     def due(self, now: float) -> list[tuple[R, KVPoll, float]]:
         """Rooms whose deadline is at or before `now`, oldest first per phase.
@@ -82,7 +99,7 @@ class PhaseDeadlines(Generic[R]):
                 continue
             limit = self._limits[state]
             assert limit is not None
-            for room in queue:
+            for room in queue.values():
                 if room.entered_at + limit > now:
                     break
                 expired.append((room, state, limit))
@@ -94,11 +111,40 @@ class PhaseDeadlines(Generic[R]):
         for state in NON_TERMINAL:
             queue = self._queues[state]
             if queue:
-                head = next(iter(queue))
+                head = next(iter(queue.values()))
                 due = head.entered_at + self._limits[state]  # type: ignore[operator]
                 if due < earliest:
                     earliest = due
         self.next_due = earliest
+
+    # -- the compiled engine's view -------------------------------------------------
+
+    def inline_names(self) -> dict[str, Any]:
+        """The objects `inline_arm`/`inline_disarm` code refers to, by name."""
+        names: dict[str, Any] = {"deadlines": self}
+        for state in NON_TERMINAL:
+            queue = self._queues[state]
+            if queue is not None:
+                names[f"deadline_queue_{state.value}"] = queue
+                names[f"deadline_limit_{state.value}"] = self._limits[state]
+        return names
+
+    def inline_arm(self, state: KVPoll) -> list[str]:
+        """`arm(room, state, now)` as source lines, for this table's limits."""
+        if self._queues[state] is None:
+            return []
+        return [
+            f"deadline_queue_{state.value}[room.room] = room",
+            f"due = now + deadline_limit_{state.value}",
+            "if due < deadlines.next_due:",
+            "    deadlines.next_due = due",
+        ]
+
+    def inline_disarm(self, state: KVPoll) -> list[str]:
+        """`disarm(room, state)` as source lines (the room is always armed here)."""
+        if self._queues[state] is None:
+            return []
+        return [f"del deadline_queue_{state.value}[room.room]"]
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues if q is not None)

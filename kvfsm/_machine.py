@@ -10,9 +10,13 @@ attaches ~20 methods to every model) and no machine is built per room
 (~133 µs each). Two engines run the same machine on unregistered records:
 
 * `CompiledEngine` (the default) reads the machine's events once into a
-  list per event indexed by `KVPoll` value: each cell holds the exit hooks,
-  the destination and the entry hooks. Firing is a list index and a few
-  direct calls (about 20x cheaper than going through `transitions`).
+  list per event indexed by `KVPoll` value: each cell is a `Step` holding
+  the exit hooks, the destination and the entry hooks. For each step it
+  generates one function from the hooks' `@inline` bodies (see
+  `_status.py`), specialised for one manager's table: exit hooks, the
+  state change and entry hooks in the order `transitions` runs them, with
+  no call per hook and no lookup of the table. The manager pastes the same
+  lines into its handles' event methods (`_fastpath.py`).
 * `TransitionsEngine` calls `machine.events[name].trigger(record, ...)`:
   `transitions` itself runs the callbacks. It exists as the reference the
   compiled engine is proven equal to (see tests/property), and as a
@@ -26,6 +30,8 @@ identical calls whichever engine runs them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 from transitions import Machine
@@ -33,10 +39,23 @@ from transitions.core import EventData
 
 from . import _status
 from ._states import NON_TERMINAL, FailureReason, KVPoll, Role
-from ._status import Hook, RoomRecord
+from ._status import Hook, RoomRecord, StatusTable, inline_lines
 from ._table import EVENTS, INITIAL, TRANSITIONS
 
-__all__ = ["build_machine", "lifecycle_machine", "Step", "CompiledEngine", "TransitionsEngine", "ENGINES"]
+__all__ = [
+    "build_machine",
+    "lifecycle_machine",
+    "Step",
+    "StepRun",
+    "CompiledEngine",
+    "TransitionsEngine",
+    "ENGINES",
+    "indent",
+    "compile_source",
+]
+
+#: A compiled step: (room, now, reason) -> None, the hooks of one transition.
+StepRun = Callable[[RoomRecord, float, FailureReason | None], None]
 
 _ENTER_HOOKS: dict[KVPoll, tuple[Hook, ...]] = {
     KVPoll.Bootstrapping: (_status.enter_phase,),
@@ -85,9 +104,14 @@ def lifecycle_machine(role: Role) -> Machine:
 
 
 class Step:
-    """What firing one event from one state does (a dispatch-table cell)."""
+    """What firing one event from one state does (a dispatch-table cell).
 
-    __slots__ = ("dest", "enter_hooks", "event", "exit_hooks", "source")
+    `lines` is the step as source (exit hooks, state change, entry hooks,
+    specialised for one table) and `run` that source compiled; both are
+    empty for internal steps, which change no state and run no hook.
+    """
+
+    __slots__ = ("dest", "enter_hooks", "event", "exit_hooks", "lines", "run", "source")
 
     def __init__(
         self,
@@ -102,10 +126,16 @@ class Step:
         self.dest = dest
         self.exit_hooks = exit_hooks
         self.enter_hooks = enter_hooks
+        self.lines: tuple[str, ...] = ()
+        self.run: StepRun = _nothing
 
     def __repr__(self) -> str:
         dest = self.dest.name if self.dest is not None else "(internal)"
         return f"Step({self.event}: {self.source.name} -> {dest})"
+
+
+def _nothing(room: RoomRecord, now: float, reason: FailureReason | None) -> None:
+    """The run of an internal step: progress is the manager's, not a hook's."""
 
 
 def _hooks(callbacks: list[Any]) -> tuple[Hook, ...]:
@@ -153,28 +183,65 @@ def _compile(machine: Machine) -> dict[str, list[Step | None]]:
     return rows
 
 
+def indent(lines: list[str] | tuple[str, ...], depth: int) -> list[str]:
+    """`lines` indented by `depth` levels of four spaces."""
+    pad = "    " * depth
+    return [pad + line for line in lines]
+
+
+@functools.lru_cache(maxsize=64)
+def compile_source(source: str, filename: str) -> CodeType:
+    """Compile generated source once; managers with the same layout share it."""
+    return compile(source, filename, "exec")
+
+
 class CompiledEngine:
-    """Runs the machine's hooks from a table compiled out of the machine."""
+    """Runs the machine's hooks as code generated from the machine's callbacks.
+
+    One engine per manager: the generated code is specialised for that
+    manager's `StatusTable` (its dicts and deadlines are bound by name in
+    `namespace`, which the manager's fast path shares).
+    """
 
     name = "compiled"
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, table: StatusTable) -> None:
         self.machine = machine
+        self.table = table
         self.rows = _compile(machine)
         self._initial_hooks = _hooks(machine.get_state(INITIAL).on_enter)
+        self.namespace: dict[str, Any] = table.inline_names()
+        self.initial_lines = tuple(
+            ["room.state = " + INITIAL.name]
+            + [line for hook in self._initial_hooks for line in inline_lines(hook, INITIAL, table)]
+        )
+        source = ["def enter_initial(room, now, reason):", *indent(self.initial_lines, 1)]
+        # The state argument only matters to ARM/DISARM lines, which retire has none of.
+        source += ["def retire(room, now, reason):", *indent(inline_lines(_status.retire, INITIAL, table), 1)]
+        for row in self.rows.values():
+            for step in row:
+                if step is None or step.dest is None:
+                    continue
+                lines = [line for hook in step.exit_hooks for line in inline_lines(hook, step.source, table)]
+                lines.append("room.state = " + step.dest.name)
+                lines += [line for hook in step.enter_hooks for line in inline_lines(hook, step.dest, table)]
+                step.lines = tuple(lines)
+                source += [f"def {step.event}_from_{step.source.name}(room, now, reason):", *indent(lines, 1)]
+        self.source = "\n".join(source) + "\n"
+        exec(compile_source(self.source, f"<kvfsm compiled steps of {machine.name}>"), self.namespace)
+        for row in self.rows.values():
+            for step in row:
+                if step is not None and step.dest is not None:
+                    step.run = self.namespace[f"{step.event}_from_{step.source.name}"]
+        self._enter_initial: StepRun = self.namespace["enter_initial"]
+        #: Forgets a closed terminal room (`_status.retire`, compiled).
+        self.retire: StepRun = self.namespace["retire"]
 
     def enter_initial(self, room: RoomRecord, now: float) -> None:
-        for hook in self._initial_hooks:
-            hook(room, now, None)
+        self._enter_initial(room, now, None)
 
     def fire(self, room: RoomRecord, step: Step, now: float, reason: FailureReason | None) -> None:
-        for hook in step.exit_hooks:
-            hook(room, now, reason)
-        dest = step.dest
-        if dest is not None:
-            room.state = dest
-            for hook in step.enter_hooks:
-                hook(room, now, reason)
+        step.run(room, now, reason)
 
 
 class TransitionsEngine(CompiledEngine):
@@ -182,14 +249,20 @@ class TransitionsEngine(CompiledEngine):
 
     Validity is still decided from the compiled rows (the manager needs the
     allowed events for its errors before anything runs); the state change
-    and its callbacks are `transitions`' own.
+    and its callbacks are `transitions`' own, calling the hooks' plain
+    Python bodies rather than their inlined lines.
     """
 
     name = "transitions"
 
+    def __init__(self, machine: Machine, table: StatusTable) -> None:
+        super().__init__(machine, table)
+        self.retire = _status.retire
+
     def enter_initial(self, room: RoomRecord, now: float) -> None:
         machine = self.machine
         state = machine.get_state(INITIAL)
+        room.state = INITIAL
         state.enter(EventData(state, None, machine, room, args=(room, now, None), kwargs={}))
 
     def fire(self, room: RoomRecord, step: Step, now: float, reason: FailureReason | None) -> None:

@@ -34,14 +34,14 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from types import TracebackType
 from typing import NoReturn, cast
 
-from . import _status
+from . import _fastpath
 from ._errors import ConfigError, DuplicateRoom, InvalidTransition, KVTransferError, RoomNotFailed, UnknownRoom
-from ._machine import ENGINES, CompiledEngine, Step, lifecycle_machine
+from ._machine import ENGINES, CompiledEngine, Step, StepRun, lifecycle_machine
 from ._observe import Observer, StateChange
 from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
 from ._status import ManagerStats, StatusTable
@@ -51,6 +51,9 @@ __all__ = ["TransferManager", "TransferHandle"]
 logger = logging.getLogger("kvfsm")
 
 DEFAULT_TIMEOUTS = Timeouts()
+# Module constants: `KVPoll.Success` is an enum class-attribute lookup
+# (~60 ns on CPython 3.11), too slow for the paths every request takes.
+_SUCCESS, _FAILED, _BOOTSTRAPPING = KVPoll.Success, KVPoll.Failed, KVPoll.Bootstrapping
 _DRAIN_PENDING, _DRAINED, _DRAIN_DEADLINE = 0, 1, 2
 _PHASE_NAMES = {
     KVPoll.Bootstrapping: "bootstrap",
@@ -97,7 +100,7 @@ class TransferHandle:
         self.room = room
         self.generation = generation
         # The machine sets the real initial state through its entry hook.
-        self.state = KVPoll.Bootstrapping
+        self.state = _BOOTSTRAPPING
         self.reason: FailureReason | None = None
         self.opened_at = now
         self.entered_at = now
@@ -178,7 +181,8 @@ class TransferHandle:
 
     @property
     def is_terminal(self) -> bool:
-        return self.state in TERMINAL
+        state = self.state
+        return state is _SUCCESS or state is _FAILED
 
     @property
     def failure(self) -> FailureReason | None:
@@ -249,10 +253,18 @@ class TransferManager:
         self._clock = clock
         self._lock = threading.Lock()
         self._table = StatusTable(timeouts)
-        self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role))
+        # Read on every status call: bound here to skip a lookup each time.
+        self._status = self._table.status
+        self._deadlines = self._table.deadlines
+        self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role), self._table)
         self._rows = self._engine.rows
+        self._enter_initial: StepRun = self._engine._enter_initial
+        self._retire: StepRun = self._engine.retire
         self._rooms: dict[Hashable, TransferHandle] = {}
-        self._closed: OrderedDict[Hashable, tuple[int, KVPoll]] = OrderedDict()
+        # Two generations of tombstones: the newest `remember_closed` closes
+        # at least, twice that at most, for O(1) per close without an LRU.
+        self._closed: dict[Hashable, tuple[int, KVPoll]] = {}
+        self._closed_older: dict[Hashable, tuple[int, KVPoll]] = {}
         self._remember_closed = remember_closed
         self._generation = 0
         self._observers: tuple[Observer, ...] = ()
@@ -260,6 +272,9 @@ class TransferManager:
         self._dispatching = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._reaper_stop: threading.Event | None = None
+        self._handle_cls: type[TransferHandle] = TransferHandle
+        if type(self._engine) is CompiledEngine:
+            self._handle_cls = _fastpath.handle_class(TransferHandle, self, self._engine)
 
     # -- public reads -----------------------------------------------------------
 
@@ -274,10 +289,10 @@ class TransferManager:
 
     def status(self, room: Hashable) -> KVPoll:
         """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
-        if self._clock() >= self._table.deadlines.next_due:
+        if self._clock() >= self._deadlines.next_due:
             self.check_deadlines()
         try:
-            return self._table.status[room]
+            return self._status[room]
         except KeyError:
             raise self._unknown(room) from None
 
@@ -323,22 +338,41 @@ class TransferManager:
 
     def open(self, room: Hashable) -> TransferHandle:
         """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
-        _check_room_id(room)
+        if room.__class__ is not int and room.__class__ is not str:
+            _check_room_id(room)
+        lock = self._lock
+        lock.acquire()
+        try:
+            now = self._clock()
+            if now < self._deadlines.next_due and not self._observers:
+                rooms = self._rooms
+                if room not in rooms:
+                    self._generation += 1
+                    handle = self._handle_cls(self, room, self._generation, now)
+                    rooms[room] = handle
+                    self._enter_initial(handle, now, None)
+                    self._table.stats.opened += 1
+                    return handle
+        finally:
+            lock.release()
+        return self._open(room)
+
+    def _open(self, room: Hashable) -> TransferHandle:
+        """`open` with due deadlines, observers or a duplicate to deal with."""
         notices: list[StateChange] = []
         expired: list[TransferHandle] = []
         try:
             with self._lock:
                 now = self._clock()
-                if now >= self._table.deadlines.next_due:
+                if now >= self._deadlines.next_due:
                     self._expire(now, expired, notices)
                 existing = self._rooms.get(room)
                 if existing is not None:
                     raise DuplicateRoom(room, existing.state, existing.generation)
                 self._generation += 1
-                handle = TransferHandle(self, room, self._generation, now)
+                handle = self._handle_cls(self, room, self._generation, now)
                 self._rooms[room] = handle
-                self._closed.pop(room, None)
-                self._engine.enter_initial(handle, now)
+                self._enter_initial(handle, now, None)
                 self._table.stats.opened += 1
                 if self._observers:
                     notices.append(StateChange(self.role, room, handle.generation, "open", None, handle.state, now))
@@ -353,7 +387,28 @@ class TransferManager:
         A room still in flight is aborted first, so nothing that waits on it
         hangs. Free its pages before closing, once `release_safe(room)`.
         """
-        self._close(self.get(room))
+        handle = self._rooms.get(room)
+        if handle is None:
+            raise self._unknown(room)
+        state = handle.state
+        if (state is _SUCCESS or state is _FAILED) and not self._observers:
+            # The common case, without a notice to build: see `_close`.
+            lock = self._lock
+            lock.acquire()
+            try:
+                if not handle.closed:
+                    handle.closed = True
+                    del self._rooms[room]
+                    self._retire(handle, 0.0, None)
+                    if self._remember_closed:
+                        closed = self._closed
+                        closed[room] = (handle.generation, state)
+                        if len(closed) >= self._remember_closed:
+                            self._closed_older, self._closed = closed, {}
+                    return
+            finally:
+                lock.release()
+        self._close(handle)
 
     def check_deadlines(self) -> list[Hashable]:
         """Fail every room whose phase deadline passed; return their ids."""
@@ -622,9 +677,9 @@ class TransferManager:
 
     def _release_safe(self, handle: TransferHandle) -> bool:
         state = handle.state
-        if state is KVPoll.Success:
+        if state is _SUCCESS:
             return True
-        if state is not KVPoll.Failed:
+        if state is not _FAILED:
             return False
         if handle._drain != _DRAIN_PENDING:
             return True
@@ -649,27 +704,32 @@ class TransferManager:
         return True
 
     def _close(self, handle: TransferHandle) -> None:
-        if not handle.closed and not handle.is_terminal:
-            handle.abort(f"closed while {handle.state.name}")
-        notices: list[StateChange] = []
-        with self._lock:
+        state = handle.state
+        if state is not _SUCCESS and state is not _FAILED and not handle.closed:
+            handle.abort(f"closed while {state.name}")
+        notice: StateChange | None = None
+        lock = self._lock
+        lock.acquire()
+        try:
             closed_already = handle.closed
             if not closed_already:
-                now = self._clock()
-                final = handle.state
+                room = handle.room
                 handle.closed = True
-                del self._rooms[handle.room]
-                _status.retire(handle)
+                del self._rooms[room]
+                self._retire(handle, 0.0, None)
                 if self._remember_closed:
-                    self._closed[handle.room] = (handle.generation, final)
-                    if len(self._closed) > self._remember_closed:
-                        self._closed.popitem(last=False)
+                    closed = self._closed
+                    closed[room] = (handle.generation, handle.state)
+                    if len(closed) >= self._remember_closed:
+                        self._closed_older, self._closed = closed, {}
                 if self._observers:
-                    notices.append(StateChange(self.role, handle.room, handle.generation, "close", final, None, now))
+                    notice = StateChange(self.role, room, handle.generation, "close", handle.state, None, self._clock())
+        finally:
+            lock.release()
         if closed_already:
             raise self._unknown(handle.room)
-        if notices:
-            self._after([], notices)
+        if notice is not None:
+            self._after([], [notice])
 
     def _unknown(self, room: Hashable) -> UnknownRoom:
         live = self._rooms.get(room)
@@ -677,7 +737,7 @@ class TransferManager:
             return UnknownRoom(
                 room, f"this handle's generation was closed; the room is open again as generation {live.generation}"
             )
-        closed = self._closed.get(room)
+        closed = self._closed.get(room) or self._closed_older.get(room)
         if closed is not None:
             generation, final = closed
             return UnknownRoom(room, f"it was closed (generation {generation}, final state {final.name})")

@@ -1,0 +1,162 @@
+"""The compiled engine's fast path: event methods generated for one manager.
+
+A scheduler polls every in-flight room every iteration and a busy node runs
+thousands of transfers a second, so an event must cost about what a
+hand-written `if state == X: state = Y; status[room] = Y` costs. This module
+generates, once per manager, a subclass of `TransferHandle` whose event
+methods do exactly that much and nothing else on the common path:
+
+    take the lock, read the clock; if no deadline is due and nobody
+    observes, and the room is in a state the machine accepts the event in,
+    run the step's lines (the machine's exit and entry hooks, pasted in by
+    the compiled engine) and return True.
+
+Everything else (a deadline is due, observers want notices, the event is
+late, stale or out of order, an argument needs validation) falls back to
+the generic handle method, which goes through `TransferManager._fire`, the
+single choke point. So the fast path is only ever a shortcut of the slow
+one: same hooks, same lock, same results, as the engine-equivalence
+property test checks against the `transitions` engine.
+
+The rows come from the compiled machine, never from the table directly:
+which states accept which event, and what each step does, is read from the
+`transitions` machine the table was declared into.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ._machine import CompiledEngine, compile_source, indent
+from ._states import FailureKind, FailureReason, KVPoll
+
+if TYPE_CHECKING:
+    from ._manager import TransferHandle, TransferManager
+
+__all__ = ["handle_class", "new_reason"]
+
+_new_object = object.__new__
+# attrs' frozen slotted class: its fields are slot descriptors we may set once.
+_FIELDS: dict[str, Any] = dict(FailureReason.__dict__)
+_set_kind = _FIELDS["kind"].__set__
+_set_message = _FIELDS["message"].__set__
+_set_state = _FIELDS["state"].__set__
+_set_from_peer = _FIELDS["from_peer"].__set__
+
+
+def new_reason(kind: FailureKind, message: str, state: KVPoll | None, from_peer: bool = False) -> FailureReason:
+    """A `FailureReason` from fields already known valid, without attrs' validators.
+
+    Half the cost of the validating constructor; only for values the
+    manager has checked itself (a `FailureKind`, a `str`, a `KVPoll`, a bool).
+    """
+    reason: FailureReason = _new_object(FailureReason)
+    _set_kind(reason, kind)
+    _set_message(reason, message)
+    _set_state(reason, state)
+    _set_from_peer(reason, from_peer)
+    return reason
+
+
+class _Signature:
+    """How one handle event method takes its arguments, for the generator."""
+
+    def __init__(self, params: str, args: str, guard: str | None, before: tuple[str, ...], after: tuple[str, ...]):
+        self.params = params  # after `room`, as in the def
+        self.args = args  # after `room`, as passed to the generic method
+        self.guard = guard  # arguments the fast path takes as they are
+        self.before = before  # under the lock, before the step (state is known)
+        self.after = after  # after the lock, when the step was applied
+
+
+_PLAIN = _Signature("", "", None, (), ())
+_SIGNATURES: dict[str, _Signature] = {
+    "bootstrapped": _PLAIN,
+    "transfer_started": _PLAIN,
+    "transfer_done": _PLAIN,
+    "chunk_done": _Signature(
+        ", nbytes, last=False", ", nbytes, last", "nbytes.__class__ is int and nbytes >= 0", (), ()
+    ),
+    "abort": _Signature(
+        ', reason="aborted"',
+        ", reason",
+        "reason.__class__ is str",
+        ("stats.aborts += 1", "reason = new_reason(ABORTED, reason, state)"),
+        ('logger.info("kvfsm %s room %r aborted: %s", role_name, room.room, reason)',),
+    ),
+    "fail": _Signature(
+        ", reason",
+        ", reason",
+        "reason.__class__ is FailureReason",
+        (
+            "if reason.state is None:",
+            "    reason = new_reason(reason.kind, reason.message, state, reason.from_peer)",
+        ),
+        ("log_failure(room, reason)",),
+    ),
+}
+
+#: Progress of an internal step (chunk_done): counted on the handle, no hook.
+PROGRESS_LINES = ("room.nbytes += nbytes", "room.chunks += 1", "if last:", "    room.last_chunk_at = now")
+
+
+def _method_source(event: str, engine: CompiledEngine) -> list[str]:
+    sig = _SIGNATURES[event]
+    lines = [f"def {event}(room{sig.params}):"]
+    if sig.guard is not None:
+        lines += [f"    if not ({sig.guard}):", f"        return generic_{event}(room{sig.args})"]
+    lines += [
+        "    applied = False",
+        "    acquire()",
+        "    try:",
+        "        now = clock()",
+        "        if now < deadlines.next_due and not manager._observers:",
+        "            state = room.state",
+    ]
+    keyword = "if"
+    for step in engine.rows[event]:
+        if step is None:
+            continue
+        body = list(sig.before)
+        body += PROGRESS_LINES if step.dest is None else step.lines
+        lines += [
+            f"            {keyword} state is {step.source.name}:",
+            *indent(body, 4),
+            "                applied = True",
+        ]
+        keyword = "elif"
+    lines += ["    finally:", "        release()", "    if applied:", *indent(sig.after, 2)]
+    lines += ["        return True", f"    return generic_{event}(room{sig.args})"]
+    return lines
+
+
+def handle_class(base: type[TransferHandle], manager: TransferManager, engine: CompiledEngine) -> type[TransferHandle]:
+    """A subclass of `base` whose event methods run `engine`'s steps inline."""
+    namespace: dict[str, Any] = engine.namespace
+    namespace.update(
+        acquire=manager._lock.acquire,
+        release=manager._lock.release,
+        clock=manager._clock,
+        manager=manager,
+        new_reason=new_reason,
+        FailureReason=FailureReason,
+        ABORTED=FailureKind.ABORTED,
+        logger=logging.getLogger("kvfsm"),
+        role_name=manager.role.value,
+        log_failure=manager._log_failure,
+    )
+    source: list[str] = []
+    for event in _SIGNATURES:
+        namespace[f"generic_{event}"] = getattr(base, event)
+        source += _method_source(event, engine)
+    text = "\n".join(source) + "\n"
+    exec(compile_source(text, f"<kvfsm fast path of {engine.machine.name}>"), namespace)
+    methods = {event: namespace[event] for event in _SIGNATURES}
+    for event, method in methods.items():
+        method.__doc__ = getattr(base, event).__doc__
+        method.__qualname__ = f"{base.__name__}.{event}"
+    cls = type(
+        base.__name__, (base,), {"__slots__": (), "__module__": base.__module__, "_fast_source": text, **methods}
+    )
+    return cls

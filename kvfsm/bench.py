@@ -1,0 +1,792 @@
+"""`kvfsm bench`: what the lifecycle costs, as ratios to hand-written code.
+
+Every figure is printed next to a baseline measured in the same run, so the
+ratios hold on any machine even though the absolute numbers do not. Each
+timing is the minimum over several repeats, with the candidates measured
+alternately (a noisy neighbour slows both sides, not one) and the garbage
+collector off while timing (as `timeit` does). Goals are those of issue 7;
+a goal the run misses is printed as such and makes the exit status 1.
+
+The baselines:
+
+* `sglang` is what kvfsm replaces: a slotted per-request object with
+  timestamps that pushes every status into the manager's shared dict
+  through SGLang's `update_status` (insert, or `max(old, new)` unless
+  `Failed`), pops it on `clear()`, and records a failure message under a
+  lock on abort. The lifecycle goals are ratios to this baseline.
+* `bare` is the least code that could work at all: the same object
+  writing the dict directly, no method in between. Printed for context.
+* `transitions` variants: one `transitions.Machine` per request, and one
+  shared machine with `add_model`/`remove_model`, both built from kvfsm's
+  own declaration, plus `TransferManager(engine="transitions")`.
+
+Sections (`--only` picks some): lifecycle, abort, reads, memory, scale,
+threads. `--quick` shrinks sizes and repeats to finish in well under a
+minute; the full run includes one million live rooms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from ._machine import build_machine
+from ._manager import TransferHandle, TransferManager
+from ._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._status import StatusTable
+
+__all__ = ["configure", "run", "run_benchmarks", "SECTIONS"]
+
+SECTIONS = ("lifecycle", "abort", "reads", "memory", "scale", "threads")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 30 s)")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    parser.add_argument(
+        "--rooms",
+        metavar="N[,N...]",
+        type=_sizes,
+        help="live-room counts of the scale section (default: 1k,10k,100k,1M; --quick: up to 100k)",
+    )
+    parser.add_argument(
+        "--only", metavar="SECTION[,...]", type=_sections, help=f"run only these sections ({', '.join(SECTIONS)})"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="timing repeats (minimum is kept)")
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = {"k": 1_000, "m": 1_000_000}.get(part[-1:], 1)
+        number = part[:-1] if scale != 1 else part
+        try:
+            value = int(float(number) * scale)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected room counts like 1k,10k,1M; got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"room counts must be positive; got {text!r}")
+        sizes.append(value)
+    return sizes
+
+
+def _sections(text: str) -> list[str]:
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in chosen if name not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    return chosen
+
+
+# -- timing ---------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _race(candidates: dict[str, Callable[[], object]], per_call: int, repeats: int) -> dict[str, float]:
+    """Seconds per operation of each candidate: best of `repeats`, measured in turns."""
+    best = dict.fromkeys(candidates, math.inf)
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            best[name] = min(best[name], _timed(fn))
+    return {name: seconds / per_call for name, seconds in best.items()}
+
+
+def _statement(stmt: str, namespace: dict[str, Any], number: int, repeats: int) -> float:
+    """Seconds per execution of one statement (timeit-style loop, compiled once)."""
+    src = f"def _loop(_n):\n    for _ in _n:\n        {stmt}\n"
+    scope = dict(namespace)
+    exec(compile(src, "<kvfsm bench>", "exec"), scope)
+    loop = scope["_loop"]
+    rng = range(number)
+    return min(_timed(lambda: loop(rng)) for _ in range(repeats)) / number
+
+
+def _statements(stmts: dict[str, str], namespace: dict[str, Any], number: int, repeats: int) -> dict[str, float]:
+    best = dict.fromkeys(stmts, math.inf)
+    for _ in range(repeats):
+        for name, stmt in stmts.items():
+            best[name] = min(best[name], _statement(stmt, namespace, number, 1))
+    return best
+
+
+# -- the baselines -------------------------------------------------------------------
+
+
+_FAILED, _BOOT, _WAIT, _XFER, _OK = 0, 1, 2, 3, 4  # SGLang's KVPoll: plain ints
+
+
+class SGLangStyleManager:
+    """SGLang's KV manager status bookkeeping, as it is written there."""
+
+    def __init__(self) -> None:
+        self.request_status: dict[int, int] = {}
+        self.failure_records: dict[int, str] = {}
+        self.failure_lock = threading.Lock()
+
+    def update_status(self, bootstrap_room: int, status: int) -> None:
+        if bootstrap_room not in self.request_status:
+            self.request_status[bootstrap_room] = status
+        elif status == _FAILED:
+            self.request_status[bootstrap_room] = _FAILED
+        else:
+            self.request_status[bootstrap_room] = max(self.request_status[bootstrap_room], status)
+
+    def check_status(self, bootstrap_room: int) -> int:
+        return self.request_status[bootstrap_room]
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+        with self.failure_lock:
+            self.failure_records[bootstrap_room] = failure_reason
+
+
+class SGLangStyleSender:
+    """A slotted request object with timestamps, SGLang style (no state machine)."""
+
+    __slots__ = (
+        "bootstrap_room",
+        "chunks",
+        "conclude_state",
+        "entered_at",
+        "finished_at",
+        "init_time",
+        "kv_mgr",
+        "last_chunk_at",
+        "nbytes",
+        "state",
+        "transfer_started_at",
+    )
+
+    def __init__(self, mgr: SGLangStyleManager, bootstrap_room: int) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = bootstrap_room
+        self.init_time = self.entered_at = time.monotonic()
+        self.transfer_started_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.finished_at: float | None = None
+        self.nbytes = self.chunks = 0
+        self.state = _BOOT
+        self.conclude_state: int | None = None
+        mgr.update_status(bootstrap_room, _BOOT)
+
+    def bootstrapped(self) -> None:
+        if self.state == _BOOT:
+            self.state = _WAIT
+            self.entered_at = time.monotonic()
+            self.kv_mgr.update_status(self.bootstrap_room, _WAIT)
+
+    def transfer_started(self) -> None:
+        if self.state == _WAIT:
+            self.state = _XFER
+            self.entered_at = self.transfer_started_at = time.monotonic()
+            self.kv_mgr.update_status(self.bootstrap_room, _XFER)
+
+    def chunk_done(self, nbytes: int, last: bool = False) -> None:
+        if self.state == _XFER:
+            self.nbytes += nbytes
+            self.chunks += 1
+            if last:
+                self.last_chunk_at = time.monotonic()
+
+    def transfer_done(self) -> None:
+        if self.state == _XFER:
+            self.state = _OK
+            self.entered_at = self.finished_at = time.monotonic()
+            self.kv_mgr.update_status(self.bootstrap_room, _OK)
+
+    def abort(self) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
+        self.conclude_state = self.state = _FAILED
+        self.finished_at = time.monotonic()
+        self.kv_mgr.update_status(self.bootstrap_room, _FAILED)
+
+    def clear(self) -> None:
+        if self.bootstrap_room in self.kv_mgr.request_status:
+            self.kv_mgr.request_status.pop(self.bootstrap_room)
+
+
+class BareSender:
+    """The least code that could track a request: direct dict writes."""
+
+    __slots__ = ("entered_at", "finished_at", "nbytes", "room", "state", "status", "transfer_started_at")
+
+    def __init__(self, status: dict[int, int], room: int) -> None:
+        self.status = status
+        self.room = room
+        self.entered_at = time.monotonic()
+        self.transfer_started_at: float | None = None
+        self.finished_at: float | None = None
+        self.nbytes = 0
+        self.state = _BOOT
+        status[room] = _BOOT
+
+    def bootstrapped(self) -> None:
+        if self.state == _BOOT:
+            self.state = _WAIT
+            self.entered_at = time.monotonic()
+            self.status[self.room] = _WAIT
+
+    def transfer_started(self) -> None:
+        if self.state == _WAIT:
+            self.state = _XFER
+            self.entered_at = self.transfer_started_at = time.monotonic()
+            self.status[self.room] = _XFER
+
+    def chunk_done(self, nbytes: int, last: bool = False) -> None:
+        if self.state == _XFER:
+            self.nbytes += nbytes
+            if last:
+                self.finished_at = time.monotonic()
+
+    def transfer_done(self) -> None:
+        if self.state == _XFER:
+            self.state = _OK
+            self.entered_at = self.finished_at = time.monotonic()
+            self.status[self.room] = _OK
+
+    def close(self) -> None:
+        del self.status[self.room]
+
+
+class _TransitionsRecord:
+    """A plain record for the `transitions` variants (it attaches methods to it)."""
+
+    def __init__(self, table: StatusTable, room: int) -> None:
+        self.room: Hashable = room
+        self.state = KVPoll.Bootstrapping
+        self.reason: FailureReason | None = None
+        self.entered_at = self.opened_at = 0.0
+        self.transfer_started_at: float | None = None
+        self.finished_at: float | None = None
+        self._table = table
+
+
+# -- one lifecycle, per candidate ---------------------------------------------------------
+
+
+def _kvfsm_lifecycles(manager: TransferManager, rooms: range) -> Callable[[], None]:
+    def go() -> None:
+        open_, close = manager.open, manager.close
+        for room in rooms:
+            h = open_(room)
+            h.bootstrapped()
+            h.transfer_started()
+            h.chunk_done(65536, True)
+            h.transfer_done()
+            close(room)
+
+    return go
+
+
+def _sglang_lifecycles(mgr: SGLangStyleManager, rooms: range) -> Callable[[], None]:
+    def go() -> None:
+        for room in rooms:
+            s = SGLangStyleSender(mgr, room)
+            s.bootstrapped()
+            s.transfer_started()
+            s.chunk_done(65536, True)
+            s.transfer_done()
+            s.kv_mgr.check_status(room)
+            s.clear()
+
+    return go
+
+
+def _bare_lifecycles(status: dict[int, int], rooms: range) -> Callable[[], None]:
+    def go() -> None:
+        for room in rooms:
+            s = BareSender(status, room)
+            s.bootstrapped()
+            s.transfer_started()
+            s.chunk_done(65536, True)
+            s.transfer_done()
+            s.close()
+
+    return go
+
+
+def _machine_per_request(rooms: range) -> Callable[[], None]:
+    from ._status import retire
+
+    table = StatusTable(Timeouts())
+    clock = time.monotonic
+
+    def go() -> None:
+        for room in rooms:
+            record = _TransitionsRecord(table, room)
+            machine = build_machine(Role.SENDER)
+            machine.add_model(record)
+            m: Any = record
+            machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
+            m.bootstrapped(record, clock(), None)
+            m.transfer_started(record, clock(), None)
+            m.transfer_done(record, clock(), None)
+            retire(record, clock(), None)
+
+    return go
+
+
+def _event_data(machine: Any, record: object, now: float) -> Any:
+    from transitions.core import EventData
+
+    state = machine.get_state("Bootstrapping")
+    return EventData(state, None, machine, record, args=(record, now, None), kwargs={})
+
+
+def _shared_machine(rooms: range, background: int) -> tuple[Callable[[], None], Any]:
+    from ._status import retire
+
+    table = StatusTable(Timeouts(bootstrap=None, waiting=None))
+    machine = build_machine(Role.SENDER)
+    clock = time.monotonic
+    others = [_TransitionsRecord(table, -1 - i) for i in range(background)]
+    if others:
+        machine.add_model(others)
+
+    def go() -> None:
+        for room in rooms:
+            record = _TransitionsRecord(table, room)
+            machine.add_model(record)
+            m: Any = record
+            machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
+            m.bootstrapped(record, clock(), None)
+            m.transfer_started(record, clock(), None)
+            m.transfer_done(record, clock(), None)
+            retire(record, clock(), None)
+            machine.remove_model(record)
+
+    return go, machine
+
+
+# -- sections ------------------------------------------------------------------------------
+
+
+class Report:
+    """Collects figures and goals; prints them as it goes."""
+
+    def __init__(self, out: Callable[[str], None]) -> None:
+        self.out = out
+        self.data: dict[str, Any] = {}
+        self.goals: list[dict[str, Any]] = []
+
+    def section(self, name: str, title: str) -> dict[str, Any]:
+        self.out(f"\n== {title}")
+        section: dict[str, Any] = self.data.setdefault(name, {})
+        return section
+
+    def line(self, label: str, value: str, note: str = "") -> None:
+        self.out(f"  {label:<48} {value:>14}  {note}".rstrip())
+
+    def goal(self, name: str, ratio: float, limit: float, *, at_most: bool = True, unit: str = "x") -> None:
+        met = ratio <= limit if at_most else ratio >= limit
+        sign = "<=" if at_most else ">="
+        self.goals.append({"goal": name, "value": ratio, "limit": limit, "at_most": at_most, "met": met})
+        verdict = "met" if met else "MISSED"
+        self.out(f"  GOAL {name:<43} {ratio:>12.2f}{unit}  ({sign} {limit:g}{unit}: {verdict})")
+
+
+def _ns(seconds: float) -> str:
+    return f"{seconds * 1e9:,.0f} ns"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.2f} us"
+
+
+def bench_lifecycle(report: Report, quick: bool, repeats: int) -> None:
+    data = report.section(
+        "lifecycle", "full lifecycle: open, bootstrapped, transfer_started, chunk_done(last), transfer_done, close"
+    )
+    n = 2_000 if quick else 10_000
+    rooms = range(n)
+    compiled = TransferManager("sender")
+    reference = TransferManager("sender", engine="transitions")
+    times = _race(
+        {
+            "kvfsm": _kvfsm_lifecycles(compiled, rooms),
+            "sglang": _sglang_lifecycles(SGLangStyleManager(), rooms),
+            "bare": _bare_lifecycles({}, rooms),
+        },
+        n,
+        repeats,
+    )
+    slow_n = max(50, n // 20)
+    slow = _race(
+        {
+            "kvfsm_transitions_engine": _kvfsm_lifecycles(reference, range(slow_n)),
+            "machine_per_request": _machine_per_request(range(slow_n)),
+        },
+        slow_n,
+        max(2, repeats // 2),
+    )
+    times.update(slow)
+    shared_sizes = [0, 1_000] if quick else [0, 1_000, 10_000]
+    for size in shared_sizes:
+        count = 20 if size else slow_n
+        go, _machine = _shared_machine(range(count), size)
+        times[f"shared_machine_add_model_{size}_live"] = _race({"x": go}, count, 2)["x"]
+    data["seconds_per_lifecycle"] = times
+    report.line("kvfsm TransferManager (compiled engine)", _us(times["kvfsm"]))
+    report.line("baseline: SGLang-style slotted object + dict", _us(times["sglang"]))
+    report.line(
+        "baseline: bare slotted object + dict", _us(times["bare"]), f"kvfsm = {times['kvfsm'] / times['bare']:.1f}x"
+    )
+    report.line("kvfsm TransferManager(engine='transitions')", _us(times["kvfsm_transitions_engine"]))
+    report.line("one transitions.Machine per request", _us(times["machine_per_request"]))
+    for size in shared_sizes:
+        key = f"shared_machine_add_model_{size}_live"
+        report.line(f"shared machine + add/remove_model, {size:,} live", _us(times[key]))
+    data["ratio_to_sglang"] = times["kvfsm"] / times["sglang"]
+    data["machine_per_request_speedup"] = times["machine_per_request"] / times["kvfsm"]
+    report.goal("lifecycle vs SGLang-style baseline", data["ratio_to_sglang"], 3.0)
+    report.goal("speed-up over a Machine per request", data["machine_per_request_speedup"], 30.0, at_most=False)
+
+
+def bench_abort(report: Report, quick: bool, repeats: int) -> None:
+    data = report.section("abort", "abort from Transferring")
+    n = 2_000 if quick else 10_000
+    best: dict[str, float] = {"kvfsm": math.inf, "sglang": math.inf}
+    for _ in range(repeats):
+        manager = TransferManager("sender")
+        handles = []
+        for room in range(n):
+            h = manager.open(room)
+            h.bootstrapped()
+            h.transfer_started()
+            handles.append(h)
+        mgr = SGLangStyleManager()
+        senders = []
+        for room in range(n):
+            s = SGLangStyleSender(mgr, room)
+            s.bootstrapped()
+            s.transfer_started()
+            senders.append(s)
+
+        def ours(handles: list[TransferHandle] = handles) -> None:
+            for h in handles:
+                h.abort("client went away")
+
+        def theirs(senders: list[SGLangStyleSender] = senders) -> None:
+            for s in senders:
+                s.abort()
+
+        best["kvfsm"] = min(best["kvfsm"], _timed(ours))
+        best["sglang"] = min(best["sglang"], _timed(theirs))
+        if any(h.state is not KVPoll.Failed for h in handles):  # pragma: no cover - would be a core bug
+            raise AssertionError("an aborted room is not Failed")
+    per = {name: seconds / n for name, seconds in best.items()}
+    data["seconds_per_abort"] = per
+    report.line("kvfsm handle.abort(reason)", _ns(per["kvfsm"]))
+    report.line("baseline: SGLang-style abort()", _ns(per["sglang"]))
+    data["ratio_to_sglang"] = per["kvfsm"] / per["sglang"]
+    report.goal("abort vs SGLang-style baseline", data["ratio_to_sglang"], 3.0)
+
+
+def bench_reads(report: Report, quick: bool, repeats: int) -> None:
+    data = report.section("reads", "status reads (1,000 live rooms, deadlines armed)")
+    manager = TransferManager("sender")
+    handles = [manager.open(room) for room in range(1_000)]
+    status = {room: _BOOT for room in range(1_000)}
+    sglang = SGLangStyleManager()
+    sglang.request_status.update(status)
+    namespace: dict[str, Any] = {
+        "manager": manager,
+        "status": status,
+        "room": 500,
+        "handle": handles[500],
+        "clock": time.monotonic,
+        "mgr": sglang,
+    }
+    number = 200_000 if quick else 1_000_000
+    stmts = {
+        "dict_lookup": "status[room]",
+        "status": "manager.status(room)",
+        "handle_state": "handle.state",
+        "handle_poll": "handle.poll()",
+        "sglang_check_status": "mgr.check_status(room)",
+        "clock_read": "clock()",
+    }
+    per = _statements(stmts, namespace, number, repeats)
+    data["seconds_per_read"] = per
+    report.line("plain dict lookup  status[room]", _ns(per["dict_lookup"]))
+    report.line("manager.status(room)", _ns(per["status"]))
+    report.line("handle.state", _ns(per["handle_state"]))
+    report.line("handle.poll()", _ns(per["handle_poll"]))
+    report.line("SGLang-style kv_mgr.check_status(room)", _ns(per["sglang_check_status"]))
+    report.line("the clock alone: time.monotonic()", _ns(per["clock_read"]))
+    data["status_ratio"] = per["status"] / per["dict_lookup"]
+    data["state_ratio"] = per["handle_state"] / per["dict_lookup"]
+    report.goal("status(room) vs dict lookup", data["status_ratio"], 4.0)
+    report.goal("handle.state vs dict lookup", data["state_ratio"], 2.0)
+
+
+def bench_memory(report: Report, quick: bool, repeats: int) -> None:
+    data = report.section("memory", "memory and garbage")
+    n = 20_000 if quick else 100_000
+    rooms = list(range(1_000_000, 1_000_000 + n))  # ids are the caller's; not counted
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        manager = TransferManager("sender")
+        for room in rooms:
+            manager.open(room)
+        ours = (tracemalloc.get_traced_memory()[0] - before) / n
+        del manager
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        mgr = SGLangStyleManager()
+        keep = [SGLangStyleSender(mgr, room) for room in rooms]
+        theirs = (tracemalloc.get_traced_memory()[0] - before) / n
+        del keep, mgr
+    finally:
+        tracemalloc.stop()
+    data["bytes_per_live_room"] = {"kvfsm": ours, "sglang": theirs}
+    report.line(f"kvfsm, per live room ({n:,} open)", f"{ours:,.0f} B")
+    report.line("baseline: SGLang-style object + dict entry", f"{theirs:,.0f} B")
+    report.goal("bytes per live room", ours, 600.0, unit=" B")
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        manager = TransferManager("sender")
+        _kvfsm_lifecycles(manager, range(10_000))()
+        for room in range(5_000):  # the failure paths too: abort and timeouts
+            h = manager.open(room)
+            h.bootstrapped()
+            h.abort("bench")
+            manager.close(room)
+        garbage = gc.collect()
+    finally:
+        if enabled:
+            gc.enable()
+    data["gc_collected_after_lifecycles"] = garbage
+    report.line("objects gc collected after 15,000 lifecycles", f"{garbage:,}")
+    report.goal("garbage cycles per 15k lifecycles", float(garbage), 0.0, unit="")
+
+
+def bench_scale(report: Report, quick: bool, repeats: int, sizes: Sequence[int] | None) -> None:
+    if sizes is None:
+        sizes = [1_000, 10_000, 100_000] if quick else [1_000, 10_000, 100_000, 1_000_000]
+    data = report.section(
+        "scale", "per-transition cost with N live rooms (bootstrapped, transfer_started, transfer_done)"
+    )
+    k = 2_000
+    per_transition: dict[str, float] = {}
+    per_baseline: dict[str, float] = {}
+    for size in sizes:
+        manager = TransferManager("sender")
+        mgr = SGLangStyleManager()
+        for room in range(size):
+            manager.open(room)
+        background = [SGLangStyleSender(mgr, room) for room in range(size)]
+        best_ours = best_theirs = math.inf
+        for rep in range(repeats):
+            ids = range(size + rep * k, size + (rep + 1) * k)
+            handles = [manager.open(room) for room in ids]
+            senders = [SGLangStyleSender(mgr, room) for room in ids]
+
+            def ours(handles: list[TransferHandle] = handles) -> None:
+                for h in handles:
+                    h.bootstrapped()
+                for h in handles:
+                    h.transfer_started()
+                for h in handles:
+                    h.transfer_done()
+
+            def theirs(senders: list[SGLangStyleSender] = senders) -> None:
+                for s in senders:
+                    s.bootstrapped()
+                for s in senders:
+                    s.transfer_started()
+                for s in senders:
+                    s.transfer_done()
+
+            best_ours = min(best_ours, _timed(ours))
+            best_theirs = min(best_theirs, _timed(theirs))
+            for room in ids:
+                manager.close(room)
+            for s in senders:
+                s.clear()
+        per_transition[str(size)] = best_ours / (3 * k)
+        per_baseline[str(size)] = best_theirs / (3 * k)
+        report.line(
+            f"{size:>9,} live rooms", _ns(per_transition[str(size)]), f"baseline {_ns(per_baseline[str(size)])}"
+        )
+        del manager, mgr, background
+        gc.collect()
+    flat = max(per_transition.values()) / min(per_transition.values())
+    flat_base = max(per_baseline.values()) / min(per_baseline.values())
+    data.update(
+        seconds_per_transition=per_transition, baseline=per_baseline, flatness=flat, baseline_flatness=flat_base
+    )
+    report.line("baseline flatness (max/min over the sizes)", f"{flat_base:.2f}x")
+    report.goal(f"flatness {min(sizes):,}..{max(sizes):,} live rooms", flat, 1.2)
+
+
+def bench_threads(report: Report, quick: bool, repeats: int) -> None:
+    rooms = 20_000 if quick else 100_000
+    threads = 8
+    data = report.section("threads", f"{threads} emitter threads + 1 poller over {rooms:,} rooms")
+    manager = TransferManager("receiver", timeouts=Timeouts(bootstrap=None, waiting=None))
+    handles = [manager.open(room) for room in range(rooms)]
+    # Every 10th room is aborted by another emitter while its owner finishes it.
+    racing = {room for room in range(0, rooms, 10)}
+    done = threading.Event()
+    regressions: list[tuple[Hashable, int, int]] = []
+    polls = [0]
+
+    def emitter(index: int) -> None:
+        mine = handles[index::threads]
+        for h in mine:
+            h.bootstrapped()
+        for h in mine:
+            h.transfer_started()
+        for h in mine:
+            for chunk in range(3):
+                h.chunk_done(4096, last=chunk == 2)
+            h.transfer_done()
+        victims = handles[(index + 1) % threads :: threads]
+        for h in victims:
+            if h.room in racing:
+                h.abort("raced")
+
+    order = {
+        KVPoll.Bootstrapping: 1,
+        KVPoll.WaitingForInput: 2,
+        KVPoll.Transferring: 3,
+        KVPoll.Success: 4,
+        KVPoll.Failed: 4,
+    }
+
+    def poller() -> None:
+        seen = [1] * rooms
+        status = manager.status
+        while not done.is_set():
+            for room in range(0, rooms, 7):
+                rank = order[status(room)]
+                if rank < seen[room]:
+                    regressions.append((room, seen[room], rank))
+                seen[room] = rank
+                polls[0] += 1
+
+    workers = [threading.Thread(target=emitter, args=(i,)) for i in range(threads)]
+    watcher = threading.Thread(target=poller)
+    events = rooms * 7  # bootstrapped, started, 3 chunks, done, and an abort attempt
+    start = time.perf_counter()
+    watcher.start()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    elapsed = time.perf_counter() - start
+    done.set()
+    watcher.join()
+    lost = mismatched = 0
+    for h in handles:
+        status = manager.status(h.room)
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            lost += 1
+        if status is not h.state:
+            mismatched += 1
+        if h.room not in racing and status is not KVPoll.Success:
+            mismatched += 1
+        if status is KVPoll.Failed and (h.reason is None or h.reason.kind is not FailureKind.ABORTED):
+            mismatched += 1
+    counts = manager.counts()
+    if sum(counts.values()) != rooms or counts[KVPoll.Success] + counts[KVPoll.Failed] != rooms:
+        mismatched += 1
+    data.update(
+        rooms=rooms,
+        threads=threads,
+        seconds=elapsed,
+        events_per_second=events / elapsed,
+        polls=polls[0],
+        lost=lost,
+        mismatched=mismatched,
+        regressions=len(regressions),
+        aborted_before_success=counts[KVPoll.Failed],
+    )
+    report.line("events per second (all emitters together)", f"{events / elapsed:,.0f}")
+    report.line("status reads by the poller meanwhile", f"{polls[0]:,}")
+    report.line("raced rooms that ended Failed (abort won)", f"{counts[KVPoll.Failed]:,} of {len(racing):,}")
+    report.goal("lost + mismatched statuses", float(lost + mismatched + len(regressions)), 0.0, unit="")
+
+
+def run_benchmarks(
+    *,
+    quick: bool = False,
+    sections: Sequence[str] = SECTIONS,
+    sizes: Sequence[int] | None = None,
+    repeats: int | None = None,
+    out: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the chosen sections; return every figure and goal as plain data."""
+    report = Report(out)
+    reps = repeats if repeats is not None else (5 if quick else 9)
+    import platform
+    import sys
+
+    import transitions
+
+    out(
+        f"kvfsm bench ({'quick' if quick else 'full'}): Python {platform.python_version()} "
+        f"({platform.python_implementation()}), transitions {transitions.__version__}, "
+        f"best of {reps} repeats"
+    )
+    report.data["environment"] = {
+        "python": sys.version,
+        "transitions": transitions.__version__,
+        "quick": quick,
+        "repeats": reps,
+    }
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        if name == "lifecycle":
+            bench_lifecycle(report, quick, reps)
+        elif name == "abort":
+            bench_abort(report, quick, reps)
+        elif name == "reads":
+            bench_reads(report, quick, reps)
+        elif name == "memory":
+            bench_memory(report, quick, reps)
+        elif name == "scale":
+            bench_scale(report, quick, max(3, reps // 2), sizes)
+        elif name == "threads":
+            bench_threads(report, quick, reps)
+    missed = [g["goal"] for g in report.goals if not g["met"]]
+    out(
+        f"\n{len(report.goals) - len(missed)} of {len(report.goals)} goals met"
+        + (f"; missed: {', '.join(missed)}" if missed else "")
+    )
+    report.data["goals"] = report.goals
+    return report.data
+
+
+def run(args: argparse.Namespace) -> int:
+    sections = args.only or list(SECTIONS)
+    data = run_benchmarks(quick=args.quick, sections=sections, sizes=args.rooms, repeats=args.repeats)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, default=str)
+    return 0 if all(goal["met"] for goal in data["goals"]) else 1
