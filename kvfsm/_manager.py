@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import NoReturn, cast
 
@@ -43,7 +43,7 @@ from . import _status
 from ._errors import ConfigError, DuplicateRoom, InvalidTransition, KVTransferError, RoomNotFailed, UnknownRoom
 from ._machine import ENGINES, CompiledEngine, Step, lifecycle_machine
 from ._observe import Observer, StateChange
-from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
 from ._status import ManagerStats, StatusTable
 
 __all__ = ["TransferManager", "TransferHandle"]
@@ -93,7 +93,7 @@ class TransferHandle:
         "transfer_started_at",
     )
 
-    def __init__(self, manager: TransferManager, room: Hashable, generation: int, now: float) -> None:
+    def __init__(self, manager: TransferManager, room: RoomId, generation: int, now: float) -> None:
         self.room = room
         self.generation = generation
         # The machine sets the real initial state through its entry hook.
@@ -251,8 +251,8 @@ class TransferManager:
         self._table = StatusTable(timeouts)
         self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role))
         self._rows = self._engine.rows
-        self._rooms: dict[Hashable, TransferHandle] = {}
-        self._closed: OrderedDict[Hashable, tuple[int, KVPoll]] = OrderedDict()
+        self._rooms: dict[RoomId, TransferHandle] = {}
+        self._closed: OrderedDict[RoomId, tuple[int, KVPoll]] = OrderedDict()
         self._remember_closed = remember_closed
         self._generation = 0
         self._observers: tuple[Observer, ...] = ()
@@ -272,7 +272,7 @@ class TransferManager:
     def engine(self) -> str:
         return self._engine.name
 
-    def status(self, room: Hashable) -> KVPoll:
+    def status(self, room: RoomId) -> KVPoll:
         """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
         if self._clock() >= self._table.deadlines.next_due:
             self.check_deadlines()
@@ -281,18 +281,18 @@ class TransferManager:
         except KeyError:
             raise self._unknown(room) from None
 
-    def get(self, room: Hashable) -> TransferHandle:
+    def get(self, room: RoomId) -> TransferHandle:
         """The handle of the open room; `UnknownRoom` if not open."""
         try:
             return self._rooms[room]
         except KeyError:
             raise self._unknown(room) from None
 
-    def failure(self, room: Hashable) -> FailureReason | None:
+    def failure(self, room: RoomId) -> FailureReason | None:
         """The recorded reason of a `Failed` room, else None."""
         return self.get(room).reason
 
-    def release_safe(self, room: Hashable) -> bool:
+    def release_safe(self, room: RoomId) -> bool:
         """Whether the server may free the room's KV pages now (rule 6)."""
         return self._release_safe(self.get(room))
 
@@ -321,7 +321,7 @@ class TransferManager:
 
     # -- rooms ------------------------------------------------------------------
 
-    def open(self, room: Hashable) -> TransferHandle:
+    def open(self, room: RoomId) -> TransferHandle:
         """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
         _check_room_id(room)
         notices: list[StateChange] = []
@@ -347,7 +347,7 @@ class TransferManager:
                 self._after(expired, notices)
         return handle
 
-    def close(self, room: Hashable) -> None:
+    def close(self, room: RoomId) -> None:
         """Close the open room: forget its status and reason, keep a tombstone.
 
         A room still in flight is aborted first, so nothing that waits on it
@@ -355,7 +355,7 @@ class TransferManager:
         """
         self._close(self.get(room))
 
-    def check_deadlines(self) -> list[Hashable]:
+    def check_deadlines(self) -> list[RoomId]:
         """Fail every room whose phase deadline passed; return their ids."""
         notices: list[StateChange] = []
         expired: list[TransferHandle] = []
@@ -671,7 +671,7 @@ class TransferManager:
         if notices:
             self._after([], notices)
 
-    def _unknown(self, room: Hashable) -> UnknownRoom:
+    def _unknown(self, room: RoomId) -> UnknownRoom:
         live = self._rooms.get(room)
         if live is not None:  # a stale handle of a reopened room
             return UnknownRoom(

@@ -15,13 +15,12 @@ both engines call exactly these functions with exactly these values.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Protocol
 
 import attrs
 
 from ._deadlines import PhaseDeadlines
-from ._states import FailureKind, FailureReason, KVPoll, Timeouts
+from ._states import FailureKind, FailureReason, KVPoll, RoomId, Timeouts
 
 __all__ = ["ManagerStats", "StatusTable", "RoomRecord", "Hook"]
 
@@ -52,7 +51,7 @@ class ManagerStats:
 class RoomRecord(Protocol):
     """What the hooks need of a room's record (the handle implements it)."""
 
-    room: Hashable
+    room: RoomId
     state: KVPoll
     reason: FailureReason | None
     entered_at: float
@@ -73,7 +72,7 @@ class StatusTable:
     __slots__ = ("deadlines", "live", "stats", "status")
 
     def __init__(self, timeouts: Timeouts) -> None:
-        self.status: dict[Hashable, KVPoll] = {}
+        self.status: dict[RoomId, KVPoll] = {}
         #: Open rooms per state, indexed by KVPoll value.
         self.live: list[int] = [0] * len(KVPoll)
         self.deadlines: PhaseDeadlines[RoomRecord] = PhaseDeadlines(timeouts)
