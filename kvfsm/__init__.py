@@ -35,7 +35,7 @@ from ._errors import (
 )
 from ._manager import TransferHandle, TransferManager
 from ._observe import Observer, StateChange
-from ._states import NON_TERMINAL, TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._states import NON_TERMINAL, TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
 from ._status import ManagerStats
 from ._table import EVENTS, TRANSITIONS, TransitionSpec
 
@@ -46,6 +46,7 @@ __all__ = [
     "TERMINAL",
     "NON_TERMINAL",
     "Role",
+    "RoomId",
     "Timeouts",
     "FailureKind",
     "FailureReason",

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._states import NON_TERMINAL, KVPoll, Timeouts
+from ._states import NON_TERMINAL, KVPoll, RoomId, Timeouts
 
 __all__ = ["PhaseDeadlines"]
 
 
 class _Timed(Protocol):
     @property
-    def room(self) -> Hashable: ...
+    def room(self) -> RoomId: ...
 
     entered_at: float
 
@@ -56,7 +55,7 @@ class PhaseDeadlines(Generic[R]):
         # Keyed by room id, not by record: ids are often sequential, so the
         # queue's hash table is walked in order (the record's hash is its
         # address, which scatters over memory at a million rooms).
-        self._queues: list[OrderedDict[Hashable, R] | None] = [None] * len(KVPoll)
+        self._queues: list[OrderedDict[RoomId, R] | None] = [None] * len(KVPoll)
         for state in NON_TERMINAL:
             limit = timeouts.for_state(state)
             if limit is not None:

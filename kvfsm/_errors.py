@@ -8,11 +8,11 @@ Every message names what was expected and what arrived.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._states import FailureReason, KVPoll
+    from ._states import FailureReason, KVPoll, RoomId
 
 __all__ = [
     "KVFSMError",
@@ -36,7 +36,7 @@ class ConfigError(KVFSMError, ValueError):
 class KVTransferError(KVFSMError, RuntimeError):
     """A room's transfer failed; carries the room and the structured reason."""
 
-    def __init__(self, room: Hashable, reason: FailureReason | None) -> None:
+    def __init__(self, room: RoomId, reason: FailureReason | None) -> None:
         self.room = room
         self.reason = reason
         super().__init__(room, reason)
@@ -55,7 +55,7 @@ class KVTransferError(KVFSMError, RuntimeError):
 class InvalidTransition(KVFSMError, RuntimeError):
     """Strict mode: an event arrived that the room's current state does not accept."""
 
-    def __init__(self, room: Hashable, state: KVPoll, event: str, allowed: Iterable[str]) -> None:
+    def __init__(self, room: RoomId, state: KVPoll, event: str, allowed: Iterable[str]) -> None:
         self.room = room
         self.state = state
         self.event = event
@@ -72,7 +72,7 @@ class InvalidTransition(KVFSMError, RuntimeError):
 class DuplicateRoom(KVFSMError, ValueError):
     """`open()` was called for a room that is already open."""
 
-    def __init__(self, room: Hashable, state: KVPoll, generation: int) -> None:
+    def __init__(self, room: RoomId, state: KVPoll, generation: int) -> None:
         self.room = room
         self.state = state
         self.generation = generation
@@ -88,7 +88,7 @@ class DuplicateRoom(KVFSMError, ValueError):
 class UnknownRoom(KVFSMError, KeyError):
     """A room was looked up that is not open: never opened, or already closed."""
 
-    def __init__(self, room: Hashable, detail: str) -> None:
+    def __init__(self, room: RoomId, detail: str) -> None:
         self.room = room
         self.detail = detail
         super().__init__(room, detail)
@@ -101,7 +101,7 @@ class UnknownRoom(KVFSMError, KeyError):
 class RoomNotFailed(KVFSMError, RuntimeError):
     """`failure_exception()` was asked of a room that has not failed."""
 
-    def __init__(self, room: Hashable, state: KVPoll) -> None:
+    def __init__(self, room: RoomId, state: KVPoll) -> None:
         self.room = room
         self.state = state
         super().__init__(room, state)

@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import NoReturn, cast
 
@@ -43,7 +43,7 @@ from . import _fastpath
 from ._errors import ConfigError, DuplicateRoom, InvalidTransition, KVTransferError, RoomNotFailed, UnknownRoom
 from ._machine import ENGINES, CompiledEngine, Step, StepRun, lifecycle_machine
 from ._observe import Observer, StateChange
-from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
 from ._status import ManagerStats, StatusTable
 
 __all__ = ["TransferManager", "TransferHandle"]
@@ -96,7 +96,7 @@ class TransferHandle:
         "transfer_started_at",
     )
 
-    def __init__(self, manager: TransferManager, room: Hashable, generation: int, now: float) -> None:
+    def __init__(self, manager: TransferManager, room: RoomId, generation: int, now: float) -> None:
         self.room = room
         self.generation = generation
         # The machine sets the real initial state through its entry hook.
@@ -260,11 +260,11 @@ class TransferManager:
         self._rows = self._engine.rows
         self._enter_initial: StepRun = self._engine._enter_initial
         self._retire: StepRun = self._engine.retire
-        self._rooms: dict[Hashable, TransferHandle] = {}
+        self._rooms: dict[RoomId, TransferHandle] = {}
         # Two generations of tombstones: the newest `remember_closed` closes
         # at least, twice that at most, for O(1) per close without an LRU.
-        self._closed: dict[Hashable, tuple[int, KVPoll]] = {}
-        self._closed_older: dict[Hashable, tuple[int, KVPoll]] = {}
+        self._closed: dict[RoomId, tuple[int, KVPoll]] = {}
+        self._closed_older: dict[RoomId, tuple[int, KVPoll]] = {}
         self._remember_closed = remember_closed
         self._generation = 0
         self._observers: tuple[Observer, ...] = ()
@@ -287,7 +287,7 @@ class TransferManager:
     def engine(self) -> str:
         return self._engine.name
 
-    def status(self, room: Hashable) -> KVPoll:
+    def status(self, room: RoomId) -> KVPoll:
         """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
         if self._clock() >= self._deadlines.next_due:
             self.check_deadlines()
@@ -296,18 +296,18 @@ class TransferManager:
         except KeyError:
             raise self._unknown(room) from None
 
-    def get(self, room: Hashable) -> TransferHandle:
+    def get(self, room: RoomId) -> TransferHandle:
         """The handle of the open room; `UnknownRoom` if not open."""
         try:
             return self._rooms[room]
         except KeyError:
             raise self._unknown(room) from None
 
-    def failure(self, room: Hashable) -> FailureReason | None:
+    def failure(self, room: RoomId) -> FailureReason | None:
         """The recorded reason of a `Failed` room, else None."""
         return self.get(room).reason
 
-    def release_safe(self, room: Hashable) -> bool:
+    def release_safe(self, room: RoomId) -> bool:
         """Whether the server may free the room's KV pages now (rule 6)."""
         return self._release_safe(self.get(room))
 
@@ -336,7 +336,7 @@ class TransferManager:
 
     # -- rooms ------------------------------------------------------------------
 
-    def open(self, room: Hashable) -> TransferHandle:
+    def open(self, room: RoomId) -> TransferHandle:
         """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
         if room.__class__ is not int and room.__class__ is not str:
             _check_room_id(room)
@@ -357,7 +357,7 @@ class TransferManager:
             lock.release()
         return self._open(room)
 
-    def _open(self, room: Hashable) -> TransferHandle:
+    def _open(self, room: RoomId) -> TransferHandle:
         """`open` with due deadlines, observers or a duplicate to deal with."""
         notices: list[StateChange] = []
         expired: list[TransferHandle] = []
@@ -381,7 +381,7 @@ class TransferManager:
                 self._after(expired, notices)
         return handle
 
-    def close(self, room: Hashable) -> None:
+    def close(self, room: RoomId) -> None:
         """Close the open room: forget its status and reason, keep a tombstone.
 
         A room still in flight is aborted first, so nothing that waits on it
@@ -410,7 +410,7 @@ class TransferManager:
                 lock.release()
         self._close(handle)
 
-    def check_deadlines(self) -> list[Hashable]:
+    def check_deadlines(self) -> list[RoomId]:
         """Fail every room whose phase deadline passed; return their ids."""
         notices: list[StateChange] = []
         expired: list[TransferHandle] = []
@@ -731,7 +731,7 @@ class TransferManager:
         if notice is not None:
             self._after([], [notice])
 
-    def _unknown(self, room: Hashable) -> UnknownRoom:
+    def _unknown(self, room: RoomId) -> UnknownRoom:
         live = self._rooms.get(room)
         if live is not None:  # a stale handle of a reopened room
             return UnknownRoom(

@@ -7,11 +7,11 @@ the order they happened, never while the manager's lock is held.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import attrs
 
-from ._states import FailureReason, KVPoll, Role
+from ._states import FailureReason, KVPoll, Role, RoomId
 
 __all__ = ["StateChange", "Observer"]
 
@@ -27,7 +27,7 @@ class StateChange:
     """
 
     role: Role
-    room: Hashable
+    room: RoomId
     generation: int
     event: str
     source: KVPoll | None

@@ -15,11 +15,12 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
 __all__ = [
+    "RoomId",
     "KVPoll",
     "TERMINAL",
     "NON_TERMINAL",
@@ -28,6 +29,10 @@ __all__ = [
     "FailureReason",
     "Timeouts",
 ]
+
+
+#: A room id: SGLang's integer bootstrap room, or a string request id.
+RoomId: TypeAlias = int | str
 
 
 class KVPoll(enum.IntEnum):

@@ -24,13 +24,13 @@ identical status-table writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import attrs
 
 from ._deadlines import PhaseDeadlines
-from ._states import FailureKind, FailureReason, KVPoll, Timeouts
+from ._states import FailureKind, FailureReason, KVPoll, RoomId, Timeouts
 
 __all__ = ["ManagerStats", "StatusTable", "RoomRecord", "Hook", "ARM", "DISARM", "inline", "inline_lines"]
 
@@ -61,7 +61,7 @@ class ManagerStats:
 class RoomRecord(Protocol):
     """What the hooks need of a room's record (the handle implements it)."""
 
-    room: Hashable
+    room: RoomId
     state: KVPoll
     reason: FailureReason | None
     entered_at: float
@@ -116,7 +116,7 @@ def inline_lines(hook: object, state: KVPoll, table: StatusTable) -> list[str]:
 
 
 #: The status table is a plain dict; tests replace this to record every write.
-new_status_map: Callable[[], dict[Hashable, KVPoll]] = dict
+new_status_map: Callable[[], dict[RoomId, KVPoll]] = dict
 
 
 class StatusTable:
@@ -125,7 +125,7 @@ class StatusTable:
     __slots__ = ("deadlines", "live", "stats", "status")
 
     def __init__(self, timeouts: Timeouts) -> None:
-        self.status: dict[Hashable, KVPoll] = new_status_map()
+        self.status: dict[RoomId, KVPoll] = new_status_map()
         #: Open rooms per state, indexed by KVPoll value.
         self.live: list[int] = [0] * len(KVPoll)
         self.deadlines: PhaseDeadlines[RoomRecord] = PhaseDeadlines(timeouts)

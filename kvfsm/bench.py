@@ -34,12 +34,12 @@ import math
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._machine import build_machine
 from ._manager import TransferHandle, TransferManager
-from ._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
 from ._status import StatusTable
 
 __all__ = ["configure", "run", "run_benchmarks", "SECTIONS"]
@@ -270,7 +270,7 @@ class _TransitionsRecord:
     """A plain record for the `transitions` variants (it attaches methods to it)."""
 
     def __init__(self, table: StatusTable, room: int) -> None:
-        self.room: Hashable = room
+        self.room: RoomId = room
         self.state = KVPoll.Bootstrapping
         self.reason: FailureReason | None = None
         self.entered_at = self.opened_at = 0.0
@@ -652,7 +652,7 @@ def bench_threads(report: Report, quick: bool, repeats: int) -> None:
     # Every 10th room is aborted by another emitter while its owner finishes it.
     racing = {room for room in range(0, rooms, 10)}
     done = threading.Event()
-    regressions: list[tuple[Hashable, int, int]] = []
+    regressions: list[tuple[RoomId, int, int]] = []
     polls = [0]
 
     def emitter(index: int) -> None:

@@ -20,7 +20,7 @@ runs on an unobserved compiled manager (the fast path) and an unobserved
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from unittest import mock
@@ -30,7 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvfsm
-from kvfsm import _status
+from kvfsm import RoomId, _status
 from tests.helpers import FakeClock
 
 ROOMS = st.integers(min_value=0, max_value=2)
@@ -105,18 +105,18 @@ TIMEOUTS = st.sampled_from(
 )
 
 
-class RecordingDict(dict[Hashable, kvfsm.KVPoll]):
+class RecordingDict(dict[RoomId, kvfsm.KVPoll]):
     """A status table that logs every write (a dict subclass: no fast-path opcode skips it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.writes: list[tuple[str, Hashable, kvfsm.KVPoll | None]] = []
+        self.writes: list[tuple[str, RoomId, kvfsm.KVPoll | None]] = []
 
-    def __setitem__(self, key: Hashable, value: kvfsm.KVPoll) -> None:
+    def __setitem__(self, key: RoomId, value: kvfsm.KVPoll) -> None:
         self.writes.append(("set", key, value))
         super().__setitem__(key, value)
 
-    def __delitem__(self, key: Hashable) -> None:
+    def __delitem__(self, key: RoomId) -> None:
         self.writes.append(("del", key, None))
         super().__delitem__(key)
 
@@ -125,7 +125,7 @@ class RecordingDict(dict[Hashable, kvfsm.KVPoll]):
 def recorded_tables() -> Iterator[list[RecordingDict]]:
     made: list[RecordingDict] = []
 
-    def factory() -> dict[Hashable, kvfsm.KVPoll]:
+    def factory() -> dict[RoomId, kvfsm.KVPoll]:
         table = RecordingDict()
         made.append(table)
         return table

@@ -1,0 +1,65 @@
+"""The package as a user meets it: public names, a light import, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvfsm
+from kvfsm.cli import main
+
+DESIGN_NAMES = [
+    "KVPoll",
+    "TERMINAL",
+    "FailureKind",
+    "FailureReason",
+    "KVFSMError",
+    "KVTransferError",
+    "InvalidTransition",
+    "DuplicateRoom",
+    "UnknownRoom",
+    "Role",
+    "Timeouts",
+    "TransferManager",
+]
+
+
+@pytest.mark.parametrize("name", DESIGN_NAMES)
+def test_public_names_of_the_design_are_exported(name: str) -> None:
+    assert name in kvfsm.__all__
+    assert getattr(kvfsm, name) is not None
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, kvfsm; print(sorted(m for m in ('torch', 'zmq', 'numpy', 'kvfsm.backends') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_manager_handles_each_role_string() -> None:
+    assert kvfsm.TransferManager("sender").role is kvfsm.Role.SENDER
+    assert kvfsm.TransferManager(kvfsm.Role.RECEIVER).role is kvfsm.Role.RECEIVER
+
+
+def test_cli_requires_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_cli_simulate_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "summary.json"
+    code = main(["simulate", "--requests", "200", "--no-progress", "--seed", "3", "--json", str(out)])
+    assert code == 0
+    assert "all checks passed" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == 200
+    assert sum(summary["final_states"].values()) == 200
+    assert all(value == 0 for value in summary["verification"].values())
