@@ -82,8 +82,15 @@ _SIGNATURES: dict[str, _Signature] = {
         ', reason="aborted"',
         ", reason",
         "reason.__class__ is str",
-        ("stats.aborts += 1", "reason = new_reason(ABORTED, reason, state)"),
-        ('logger.info("kvfsm %s room %r aborted: %s", role_name, room.room, reason)',),
+        (
+            "stats.aborts += 1",
+            "cached = abort_reasons_{index}.get(reason)",
+            "reason = cached if cached is not None else abort_reason(abort_reasons_{index}, reason, {state})",
+        ),
+        (
+            "if info_enabled(INFO):",
+            '    logger.info("kvfsm %s room %r aborted: %s", role_name, room.room, reason)',
+        ),
     ),
     "fail": _Signature(
         ", reason",
@@ -96,6 +103,19 @@ _SIGNATURES: dict[str, _Signature] = {
         ("log_failure(room, reason)",),
     ),
 }
+
+#: Distinct abort messages remembered per state: `FailureReason` is frozen,
+#: so rooms aborted with the same text in the same state share one.
+ABORT_REASONS_KEPT = 256
+
+
+def abort_reason(cache: dict[str, FailureReason], message: str, state: KVPoll) -> FailureReason:
+    """The reason of an abort with `message` in `state`, shared while the cache has room."""
+    reason = new_reason(FailureKind.ABORTED, message, state)
+    if len(cache) < ABORT_REASONS_KEPT:
+        cache[message] = reason
+    return reason
+
 
 #: Progress of an internal step (chunk_done): counted on the handle, no hook.
 PROGRESS_LINES = ("room.nbytes += nbytes", "room.chunks += 1", "if last:", "    room.last_chunk_at = now")
@@ -118,7 +138,7 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
     for step in engine.rows[event]:
         if step is None:
             continue
-        body = list(sig.before)
+        body = [line.format(index=step.source.value, state=step.source.name) for line in sig.before]
         body += PROGRESS_LINES if step.dest is None else step.lines
         lines += [
             f"            {keyword} state is {step.source.name}:",
@@ -134,6 +154,9 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
 def handle_class(base: type[TransferHandle], manager: TransferManager, engine: CompiledEngine) -> type[TransferHandle]:
     """A subclass of `base` whose event methods run `engine`'s steps inline."""
     namespace: dict[str, Any] = engine.namespace
+    logger = logging.getLogger("kvfsm")
+    for state in KVPoll:
+        namespace[f"abort_reasons_{state.value}"] = {}
     namespace.update(
         acquire=manager._lock.acquire,
         release=manager._lock.release,
@@ -142,7 +165,10 @@ def handle_class(base: type[TransferHandle], manager: TransferManager, engine: C
         new_reason=new_reason,
         FailureReason=FailureReason,
         ABORTED=FailureKind.ABORTED,
-        logger=logging.getLogger("kvfsm"),
+        logger=logger,
+        info_enabled=logger.isEnabledFor,
+        INFO=logging.INFO,
+        abort_reason=abort_reason,
         role_name=manager.role.value,
         log_failure=manager._log_failure,
     )

@@ -256,6 +256,7 @@ class TransferManager:
         # Read on every status call: bound here to skip a lookup each time.
         self._status = self._table.status
         self._deadlines = self._table.deadlines
+        self._stats = self._table.stats
         self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role), self._table)
         self._rows = self._engine.rows
         self._enter_initial: StepRun = self._engine._enter_initial
@@ -351,7 +352,7 @@ class TransferManager:
                     handle = self._handle_cls(self, room, self._generation, now)
                     rooms[room] = handle
                     self._enter_initial(handle, now, None)
-                    self._table.stats.opened += 1
+                    self._stats.opened += 1
                     return handle
         finally:
             lock.release()
