@@ -502,7 +502,7 @@ def bench_abort(report: Report, quick: bool, repeats: int) -> None:
     report.goal("abort vs SGLang-style baseline", data["ratio_to_sglang"], 3.0)
 
 
-def bench_reads(report: Report, quick: bool, repeats: int) -> None:
+def bench_reads(report: Report, quick: bool, repeats: int | None) -> None:
     data = report.section("reads", "status reads (1,000 live rooms, deadlines armed)")
     manager = TransferManager("sender")
     handles = [manager.open(room) for room in range(1_000)]
@@ -521,7 +521,8 @@ def bench_reads(report: Report, quick: bool, repeats: int) -> None:
     # Many short repeats: the denominator is a ~20 ns dict lookup, so one
     # preempted repeat must not decide a ratio.
     number = 20_000
-    repeats = 40 if quick else 100
+    if repeats is None:
+        repeats = 40 if quick else 100
     stmts = {
         "dict_lookup": "status[room]",
         "status": "manager.status(room)",
@@ -787,7 +788,7 @@ def run_benchmarks(
         elif name == "abort":
             bench_abort(report, quick, reps)
         elif name == "reads":
-            bench_reads(report, quick, reps)
+            bench_reads(report, quick, repeats)
         elif name == "memory":
             bench_memory(report, quick, reps)
         elif name == "scale":
