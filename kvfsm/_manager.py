@@ -8,6 +8,15 @@ the table compiled out of the `transitions` machine), and lets the engine
 run the machine's hooks, which alone write the status table. Logging and
 observers run after the lock is released.
 
+With the compiled engine (the default) the handles are of a subclass
+generated per manager (`_fastpath.py`) whose event methods first try the
+common case inline: same lock, same deadline check, the step's hook lines
+pasted in. Anything unusual falls through to `_fire`, so `_fire` stays the
+one place every rule is decided; the fast path only skips the calls on the
+way to the answer `_fire` would give (tests/property proves it against the
+`transitions` engine). `open` and `close` have the same shape: a short
+common case, then the general one.
+
 Decisions, and the rule of DESIGN.md each one keeps:
 
 * A terminal room absorbs everything; the event is counted in

@@ -1,0 +1,54 @@
+"""The compiled engine's generated code: what it shares, and what it must not."""
+
+from __future__ import annotations
+
+import kvfsm
+from kvfsm import FailureKind, FailureReason, KVPoll, TransferManager
+from kvfsm._fastpath import ABORT_REASONS_KEPT, new_reason
+
+
+def test_unvalidated_reason_equals_the_validated_one() -> None:
+    fast = new_reason(FailureKind.PEER_LOST, "gone", KVPoll.Transferring, True)
+    slow = FailureReason(FailureKind.PEER_LOST, "gone", KVPoll.Transferring, True)
+    assert fast == slow
+    assert hash(fast) == hash(slow)
+    assert str(fast) == str(slow)
+
+
+def test_rooms_aborted_alike_share_one_frozen_reason_and_the_cache_is_bounded() -> None:
+    manager = TransferManager("sender")
+    alike = [manager.open(room) for room in range(3)]
+    for handle in alike:
+        handle.abort("client went away")
+    assert alike[0].reason is alike[1].reason is alike[2].reason
+    distinct = [manager.open(room) for room in range(100, 100 + ABORT_REASONS_KEPT + 50)]
+    for handle in distinct:
+        handle.abort(f"reason {handle.room}")
+    for handle in distinct:  # every room keeps its own message, cached or not
+        assert handle.reason == FailureReason(FailureKind.ABORTED, f"reason {handle.room}", KVPoll.Bootstrapping)
+    cache = manager._engine.namespace[f"abort_reasons_{KVPoll.Bootstrapping.value}"]
+    assert len(cache) == ABORT_REASONS_KEPT
+
+
+def test_generated_handles_are_transfer_handles_with_documented_methods() -> None:
+    handle = TransferManager("receiver").open(1)
+    assert isinstance(handle, kvfsm.TransferHandle)
+    assert type(handle).__name__ == "TransferHandle"
+    assert type(handle).bootstrapped.__doc__ == kvfsm.TransferHandle.bootstrapped.__doc__
+    assert TransferManager("receiver", engine="transitions").open(1).__class__ is kvfsm.TransferHandle
+
+
+def test_managers_do_not_share_generated_code() -> None:
+    first, second = TransferManager("sender"), TransferManager("sender")
+    one, other = type(first.open(1)), type(second.open(1))
+    assert one is not other
+    assert one.bootstrapped.__code__ is not other.bootstrapped.__code__
+    assert one.bootstrapped.__code__.co_code == other.bootstrapped.__code__.co_code
+
+
+def test_a_phase_without_deadline_has_no_deadline_code() -> None:
+    manager = TransferManager("sender", timeouts=kvfsm.Timeouts(bootstrap=None, waiting=5.0, transferring=None))
+    source: str = type(manager.open(1))._fast_source  # type: ignore[attr-defined]
+    assert "deadline_queue_1" not in source
+    assert "deadline_queue_2" in source
+    assert "deadline_queue_3" not in source
