@@ -227,20 +227,21 @@ class CompiledEngine:
         self.rows = _compile(machine)
         self._initial_hooks = _hooks(machine.get_state(INITIAL).on_enter)
         self.namespace: dict[str, Any] = table.inline_names()
+        self._callback_names: dict[Hook, str] = {}
         self.initial_lines = tuple(
             ["room.state = " + INITIAL.name]
-            + [line for hook in self._initial_hooks for line in inline_lines(hook, INITIAL, table)]
+            + [line for hook in self._initial_hooks for line in self._hook_lines(hook, INITIAL)]
         )
         source = ["def enter_initial(room, now, reason):", *indent(self.initial_lines, 1)]
         # The state argument only matters to ARM/DISARM lines, which retire has none of.
-        source += ["def retire(room, now, reason):", *indent(inline_lines(_status.retire, INITIAL, table), 1)]
+        source += ["def retire(room, now, reason):", *indent(self._hook_lines(_status.retire, INITIAL), 1)]
         for row in self.rows.values():
             for step in row:
                 if step is None or step.dest is None:
                     continue
-                lines = [line for hook in step.exit_hooks for line in inline_lines(hook, step.source, table)]
+                lines = [line for hook in step.exit_hooks for line in self._hook_lines(hook, step.source)]
                 lines.append("room.state = " + step.dest.name)
-                lines += [line for hook in step.enter_hooks for line in inline_lines(hook, step.dest, table)]
+                lines += [line for hook in step.enter_hooks for line in self._hook_lines(hook, step.dest)]
                 step.lines = tuple(lines)
                 source += [f"def {step.event}_from_{step.source.name}(room, now, reason):", *indent(lines, 1)]
         self.source = "\n".join(source) + "\n"
@@ -252,6 +253,21 @@ class CompiledEngine:
         self._enter_initial: StepRun = self.namespace["enter_initial"]
         #: Forgets a closed terminal room (`_status.retire`, compiled).
         self.retire: StepRun = self.namespace["retire"]
+
+    def _hook_lines(self, hook: Hook, state: KVPoll) -> list[str]:
+        """A hook's `@inline` lines, or a plain call for a callback without them.
+
+        A callback someone added to the machine without `@inline` still runs,
+        in its place in the order, just not pasted in. Names follow the order
+        callbacks are met, so managers of one machine generate the same source.
+        """
+        if getattr(hook, "__kvfsm_inline__", None) is not None:
+            return inline_lines(hook, state, self.table)
+        name = self._callback_names.get(hook)
+        if name is None:
+            name = self._callback_names[hook] = f"callback_{len(self._callback_names)}"
+            self.namespace[name] = hook
+        return [f"{name}(room, now, reason)"]
 
     def enter_initial(self, room: RoomRecord, now: float) -> None:
         self._enter_initial(room, now, None)

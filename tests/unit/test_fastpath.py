@@ -5,6 +5,8 @@ from __future__ import annotations
 import kvfsm
 from kvfsm import FailureKind, FailureReason, KVPoll, TransferManager
 from kvfsm._fastpath import ABORT_REASONS_KEPT, new_reason
+from kvfsm._machine import CompiledEngine, build_machine
+from kvfsm._status import StatusTable
 
 
 def test_unvalidated_reason_equals_the_validated_one() -> None:
@@ -52,3 +54,36 @@ def test_a_phase_without_deadline_has_no_deadline_code() -> None:
     assert "deadline_queue_1" not in source
     assert "deadline_queue_2" in source
     assert "deadline_queue_3" not in source
+
+
+class _Record:
+    """The fields the hooks touch, without a manager around them."""
+
+    def __init__(self, table: StatusTable, room: int) -> None:
+        self.room = room
+        self.state = KVPoll.Transferring
+        self.reason: FailureReason | None = None
+        self.entered_at = self.opened_at = 0.0
+        self.transfer_started_at: float | None = 0.0
+        self.finished_at: float | None = None
+        self._table = table
+
+
+def test_a_callback_without_inline_lines_still_runs_in_its_place() -> None:
+    machine = build_machine("sender")
+    seen: list[tuple[KVPoll, KVPoll | None]] = []
+
+    def watch(room: _Record, now: float, reason: FailureReason | None) -> None:
+        seen.append((room.state, room._table.status.get(room.room)))
+
+    machine.get_state("Success").on_enter.append(watch)
+    table = StatusTable(kvfsm.Timeouts())
+    engine = CompiledEngine(machine, table)
+    record = _Record(table, 7)
+    table.live[KVPoll.Transferring] += 1
+    step = engine.rows["transfer_done"][KVPoll.Transferring]
+    assert step is not None
+    step.run(record, 5.0, None)  # type: ignore[arg-type]
+    # After the status hook (registered first), with the state already changed.
+    assert seen == [(KVPoll.Success, KVPoll.Success)]
+    assert "callback_0(room, now, reason)" in engine.source
