@@ -18,6 +18,7 @@ __all__ = ["main", "COMMANDS"]
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvfsm.simulate", "run N prefill->decode transfers and verify every lifecycle"),
+    "diagram": ("kvfsm.diagrams", "draw the lifecycle state diagram from the machine (mermaid, dot, svg, png)"),
 }
 
 
