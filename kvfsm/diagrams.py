@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from transitions import Machine
 from transitions.extensions.diagrams import GraphMachine
 from transitions.extensions.diagrams_mermaid import Graph as _MermaidGraph
 
@@ -53,6 +54,7 @@ __all__ = [
     "DiagramCheck",
     "LifecycleGraphMachine",
     "diagram_machine",
+    "terminal_states",
     "render",
     "render_text",
     "check",
@@ -82,12 +84,14 @@ class GraphvizMissing(KVFSMError, RuntimeError):
     """A format needs graphviz (the Python package or Debian's `dot` program) and it is absent."""
 
 
-def _style_for(state: KVPoll) -> str:
-    if state is KVPoll.Success:
-        return "success"
-    if state is KVPoll.Failed:
-        return "failed"
-    return ""
+def terminal_states(machine: Machine) -> list[str]:
+    """The states of `machine` that no event leaves, in `KVPoll` order.
+
+    Read from the machine rather than from `kvfsm.TERMINAL`, so the marks
+    on a diagram say what the machine does, not what it is meant to do.
+    """
+    sources = {source for event in machine.events.values() for source in event.transitions}
+    return [state.name for state in KVPoll if state.name not in sources]
 
 
 class _MermaidLifecycle(_MermaidGraph):
@@ -101,8 +105,8 @@ class _MermaidLifecycle(_MermaidGraph):
     def _add_edges(self, transitions: list[dict[str, Any]], container: list[str]) -> None:
         super()._add_edges(transitions, container)
         # `transitions` adds the entry marker `[*] --> initial` after this.
-        for state in (KVPoll.Success, KVPoll.Failed):
-            container.append(f"{state.name} --> [*]")
+        for name in terminal_states(self.machine):
+            container.append(f"{name} --> [*]")
 
 
 def _graphviz_lifecycle() -> type[Any]:
@@ -120,8 +124,8 @@ def _graphviz_lifecycle() -> type[Any]:
         def _add_edges(self, transitions: list[dict[str, Any]], container: Any) -> None:
             container.edge(_START_NODE, self.machine.initial, label="open")
             super()._add_edges(transitions, container)
-            for state in (KVPoll.Success, KVPoll.Failed):
-                container.edge(state.name, _END_NODE, label="close", style="dashed")
+            for name in terminal_states(self.machine):
+                container.edge(name, _END_NODE, label="close", style="dashed")
 
     return _GraphvizLifecycle
 
@@ -222,10 +226,8 @@ def parse_state(value: KVPoll | str | int) -> KVPoll:
 def _graph(role: Role | str, engine: str, highlight: KVPoll | str | int | None) -> Any:
     machine = diagram_machine(role, engine)
     graph = machine.graph_cls(machine)
-    for state in KVPoll:
-        style = _style_for(state)
-        if style:
-            graph.set_node_style(state.name, style)
+    for name in terminal_states(machine):
+        graph.set_node_style(name, "failed" if name == KVPoll.Failed.name else "success")
     if highlight is not None:
         graph.set_node_style(parse_state(highlight).name, "active")
     return graph.get_graph(title=machine.title)

@@ -61,6 +61,12 @@ def test_diagram_machine_has_the_live_machines_transitions(role: Role) -> None:
 
 
 @pytest.mark.parametrize("role", list(Role))
+def test_terminal_states_are_read_from_the_machine(role: Role) -> None:
+    assert kd.terminal_states(lifecycle_machine(role)) == ["Failed", "Success"]
+    assert {KVPoll[name] for name in kd.terminal_states(kd.diagram_machine(role))} == TERMINAL
+
+
+@pytest.mark.parametrize("role", list(Role))
 def test_mermaid_edges_are_exactly_the_machines(role: Role) -> None:
     assert mermaid_edges(kd.render_text(role, "mermaid")) == machine_edges(role)
 
