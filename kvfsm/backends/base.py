@@ -414,6 +414,8 @@ class KVBackend(abc.ABC):
         if handle.is_terminal:
             logger.debug("kvfsm send on room %r ignored: it is %s", handle.room, handle.state.name)
             return
+        if handle.state is KVPoll.Bootstrapping:
+            self._reject(handle, "send() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "source pages")
         self._send(handle, checked, bool(last), aux)
 
