@@ -393,6 +393,8 @@ class KVBackend(abc.ABC):
         self._check_handle(handle, "expect", Role.RECEIVER)
         if handle.is_terminal:
             return
+        if handle.state is KVPoll.Bootstrapping:
+            self._reject(handle, "expect() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "destination pages")
         self._expect(handle, checked, aux)
 
