@@ -19,6 +19,7 @@ source and logs a warning naming the Debian package (an error under -W).
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import os
 import re
@@ -76,12 +77,13 @@ def _table(header: list[str], rows: list[list[nodes.entry]], widths: list[int], 
     return table
 
 
-def _inline_svg(svg: str, prefix: str) -> str:
-    """The SVG without its XML prolog and comments, ids made unique on the page."""
+def _inline_svg(svg: str, prefix: str, label: str) -> str:
+    """The SVG without its XML prolog and comments, ids made unique on the page, labelled."""
     svg = re.sub(r"<\?xml[^>]*\?>\s*", "", svg)
     svg = re.sub(r"<!DOCTYPE[^>]*>\s*", "", svg)
     svg = re.sub(r"<!--.*?-->\s*", "", svg, flags=re.S)
     svg = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{prefix}-{m.group(1)}"', svg)
+    svg = svg.replace("<svg ", f'<svg role="img" aria-label="{html.escape(label)}" ', 1)
     return svg.strip()
 
 
@@ -106,15 +108,15 @@ class DiagramDirective(SphinxDirective):
             logger.warning("kvfsm-diagram: %s; showing the mermaid source instead", exc, location=self.get_location())
             source = diagrams.render_text(role, "mermaid", highlight=highlight)
             return [nodes.literal_block(source, source, language="text")]
-        html = (
+        markup = (
             f'<figure class="kvfsm-diagram" id="{prefix}" data-role="{role}">\n'
-            f"{_inline_svg(svg, prefix)}\n"
-            f"<figcaption>{caption}</figcaption>\n</figure>\n"
+            f"{_inline_svg(svg, prefix, caption)}\n"
+            f"<figcaption>{html.escape(caption)}</figcaption>\n</figure>\n"
         )
         # Other builders (latex, text, doctest) get the caption instead.
         fallback = addnodes.only(expr="not html")
         fallback += nodes.paragraph(text=caption)
-        return [nodes.raw("", html, format="html"), fallback]
+        return [nodes.raw("", markup, format="html"), fallback]
 
 
 class TransitionsDirective(SphinxDirective):
