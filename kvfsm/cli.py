@@ -18,7 +18,8 @@ __all__ = ["main", "COMMANDS"]
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvfsm.simulate", "run N prefill->decode transfers and verify every lifecycle"),
-    "bench": ("kvfsm.bench", "measure the lifecycle against hand-written baselines (issue 7's goals)"),
+    "diagram": ("kvfsm.diagrams", "draw the lifecycle state diagram from the machine (mermaid, dot, svg, png)"),
+    "bench": ("kvfsm.bench", "measure the lifecycle's speed and memory against hand-written baselines"),
 }
 
 

@@ -1,0 +1,242 @@
+"""`kvfsm.diagrams` and `kvfsm diagram`: drawn from the live machine, checkable for drift."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvfsm import NON_TERMINAL, TERMINAL, ConfigError, KVPoll, Role
+from kvfsm import diagrams as kd
+from kvfsm._machine import lifecycle_machine
+from kvfsm.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = sorted((REPO / "docs" / "diagrams").glob("lifecycle-*.mmd"))
+needs_dot = pytest.mark.skipif(kd._dot_program() is None, reason="graphviz 'dot' not installed (Debian: graphviz)")
+needs_graphviz_py = pytest.mark.skipif(not kd._graphviz_importable(), reason="python package 'graphviz' missing")
+
+
+def machine_edges(role: Role) -> dict[tuple[str, str], set[str]]:
+    """(source, dest) -> events, read from the machine the managers run."""
+    edges: dict[tuple[str, str], set[str]] = {}
+    for name, event in lifecycle_machine(role).events.items():
+        for source, candidates in event.transitions.items():
+            for transition in candidates:
+                dest = transition.dest if transition.dest is not None else source
+                edges.setdefault((source, dest), set()).add(name)
+    return edges
+
+
+def mermaid_edges(text: str) -> dict[tuple[str, str], set[str]]:
+    edges: dict[tuple[str, str], set[str]] = {}
+    for source, dest, labels in re.findall(r"^\s*(\w+) --> (\w+): (.+)$", text, flags=re.M):
+        events = {label.replace(" [internal]", "").strip() for label in labels.split("|")}
+        edges[(source, dest)] = events
+    return edges
+
+
+def dot_edges(text: str) -> dict[tuple[str, str], set[str]]:
+    edges: dict[tuple[str, str], set[str]] = {}
+    for source, dest, quoted, bare in re.findall(r'^\s*(\w+) -> (\w+) \[label=(?:"([^"]*)"|(\w+))', text, flags=re.M):
+        if source.startswith("__") or dest.startswith("__"):
+            continue  # the entry and exit markers, not machine edges
+        label = quoted or bare
+        edges[(source, dest)] = {part.replace(" [internal]", "").strip() for part in label.split("|")}
+    return edges
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_diagram_machine_has_the_live_machines_transitions(role: Role) -> None:
+    live = lifecycle_machine(role)
+    drawn = kd.diagram_machine(role)
+    assert set(drawn.events) == set(live.events)
+    for name, event in live.events.items():
+        drawn_event = drawn.events[name]
+        assert set(drawn_event.transitions) == set(event.transitions)
+        for source, candidates in event.transitions.items():
+            assert [t.dest for t in drawn_event.transitions[source]] == [t.dest for t in candidates]
+    assert drawn.initial == live.initial
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_terminal_states_are_read_from_the_machine(role: Role) -> None:
+    assert kd.terminal_states(lifecycle_machine(role)) == ["Failed", "Success"]
+    assert {KVPoll[name] for name in kd.terminal_states(kd.diagram_machine(role))} == TERMINAL
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_mermaid_edges_are_exactly_the_machines(role: Role) -> None:
+    assert mermaid_edges(kd.render_text(role, "mermaid")) == machine_edges(role)
+
+
+@needs_graphviz_py
+@pytest.mark.parametrize("role", list(Role))
+def test_dot_edges_are_exactly_the_machines(role: Role) -> None:
+    assert dot_edges(kd.render_text(role, "dot")) == machine_edges(role)
+
+
+@pytest.mark.parametrize("fmt", ["mermaid", pytest.param("dot", marks=needs_graphviz_py)])
+def test_fail_timeout_abort_edges_leave_every_non_terminal_state(fmt: str) -> None:
+    text = kd.render_text("receiver", fmt)
+    edges = mermaid_edges(text) if fmt == "mermaid" else dot_edges(text)
+    for state in NON_TERMINAL:
+        assert {"fail", "timeout", "abort"} <= edges[(state.name, "Failed")], state
+    for state in TERMINAL:
+        assert not [edge for edge in edges if edge[0] == state.name], f"{state.name} must absorb every event"
+
+
+def test_mermaid_marks_terminal_states_and_the_entry() -> None:
+    text = kd.render_text("sender", "mermaid")
+    for state in TERMINAL:
+        assert f"{state.name} --> [*]" in text
+    for state in NON_TERMINAL:
+        assert f"{state.name} --> [*]" not in text
+        assert f"Class {state.name} s_default" in text
+    assert "Class Success s_success" in text
+    assert "Class Failed s_failed" in text
+    assert "[*] --> Bootstrapping" in text
+    assert text.startswith("---\ntitle: kvfsm sender lifecycle\n---\n")
+
+
+@needs_graphviz_py
+def test_dot_marks_terminal_states_with_a_double_border() -> None:
+    nodes = dict(re.findall(r"^\s*(\w+) \[label=\"\w+\\l\"(.*)\]$", kd.render_text("sender", "dot"), flags=re.M))
+    for state in TERMINAL:
+        assert "peripheries=2" in nodes[state.name]
+    for state in NON_TERMINAL:
+        assert "peripheries" not in nodes[state.name]
+
+
+@pytest.mark.parametrize("spelling", ["Transferring", "transferring", "3", 3, KVPoll.Transferring])
+def test_highlight_marks_one_state(spelling: str | int | KVPoll) -> None:
+    text = kd.render_text("sender", "mermaid", highlight=spelling)
+    assert "Class Transferring s_active" in text
+    assert re.findall(r"^\s*Class (\w+) s_active$", text, flags=re.M) == ["Transferring"]
+
+
+def test_highlight_of_an_unknown_state_names_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError, match=r"Bootstrapping \(1\).*got 'Done'"):
+        kd.render("sender", "mermaid", highlight="Done")
+    with pytest.raises(SystemExit) as exited:
+        main(["diagram", "--highlight", "7"])
+    assert exited.value.code == 2
+
+
+def test_output_is_deterministic_and_roles_differ_only_in_title() -> None:
+    assert kd.render("sender") == kd.render("sender")
+    sender, receiver = kd.render_text("sender"), kd.render_text("receiver")
+    assert sender != receiver
+    assert sender.replace("sender", "receiver") == receiver
+
+
+def test_unknown_format_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="mermaid, dot, svg, png; got 'jpeg'"):
+        kd.render("sender", "jpeg")
+    with pytest.raises(ConfigError, match="binary"):
+        kd.render_text("sender", "png")
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_committed_diagrams_match_the_machine(path: Path) -> None:
+    role = path.stem.removeprefix("lifecycle-")
+    result = kd.check(path, role)
+    assert result.up_to_date, result.explain(f"kvfsm diagram --role {role} --output {path}")
+
+
+def test_the_committed_diagrams_exist() -> None:
+    assert {p.name for p in COMMITTED} == {f"lifecycle-{r.value}.mmd" for r in Role}
+
+
+def test_check_passes_on_a_fresh_rendering(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lifecycle.mmd"
+    assert main(["diagram", "--role", "receiver", "--output", str(path)]) == 0
+    assert main(["diagram", "--role", "receiver", "--check", str(path)]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_check_fails_on_a_drifted_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lifecycle.mmd"
+    good = kd.render_text("sender", "mermaid")
+    # A diagram committed before someone removed abort from WaitingForInput's edges.
+    path.write_text(
+        good.replace("WaitingForInput --> Failed: fail | timeout | abort", "WaitingForInput --> Failed: fail")
+    )
+    assert main(["diagram", "--role", "sender", "--check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "differs from what the machine renders now" in err
+    assert "+  WaitingForInput --> Failed: fail | timeout | abort" in err
+    assert f"kvfsm diagram --role sender --format mermaid --output {path}" in err
+
+
+def test_check_fails_when_the_role_or_highlight_differs(tmp_path: Path) -> None:
+    path = tmp_path / "lifecycle.mmd"
+    path.write_bytes(kd.render("sender"))
+    assert main(["diagram", "--role", "receiver", "--check", str(path)]) == 1
+    assert main(["diagram", "--role", "sender", "--highlight", "Failed", "--check", str(path)]) == 1
+
+
+def test_check_fails_on_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--check", str(tmp_path / "nope.mmd")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_stdout_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--role", "receiver"]) == 0
+    assert capsys.readouterr().out == kd.render_text("receiver", "mermaid")
+
+
+def test_format_follows_the_file_name(tmp_path: Path) -> None:
+    assert kd.format_for_path("x/lifecycle.GV") == "dot"
+    assert kd.format_for_path("lifecycle.txt") is None
+    path = tmp_path / "lifecycle.mmd"
+    assert main(["diagram", "--output", str(path)]) == 0
+    assert path.read_bytes() == kd.render("sender", "mermaid")
+
+
+def test_binary_format_to_stdout_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--format", "png"]) == 2
+    assert "pass --output PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_missing_dot_program_names_the_debian_package(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kd, "_dot_program", lambda: None)
+    with pytest.raises(kd.GraphvizMissing, match=r"Debian package 'graphviz' \(apt-get install graphviz\)") as info:
+        kd.render("sender", fmt)
+    assert isinstance(info.value, RuntimeError)
+    assert main(["diagram", "--output", str(tmp_path / f"x.{fmt}")]) == 2
+    assert "apt-get install graphviz" in capsys.readouterr().err
+    assert not (tmp_path / f"x.{fmt}").exists()
+
+
+def test_missing_python_graphviz_names_the_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kd, "_graphviz_importable", lambda: False)
+    with pytest.raises(kd.GraphvizMissing, match="Python package 'graphviz'"):
+        kd.render("sender", "dot")
+    # mermaid needs nothing.
+    assert kd.render("sender", "mermaid").startswith(b"---")
+
+
+@needs_dot
+def test_svg_is_deterministic_and_names_every_state(tmp_path: Path) -> None:
+    svg = kd.render_text("receiver", "svg", highlight="WaitingForInput")
+    assert svg == kd.render_text("receiver", "svg", highlight="WaitingForInput")
+    assert "<svg" in svg
+    for state in KVPoll:
+        assert f">{state.name}</text>" in svg
+    path = tmp_path / "lifecycle.svg"
+    assert main(["diagram", "--role", "receiver", "--highlight", "WaitingForInput", "-o", str(path)]) == 0
+    assert main(["diagram", "--role", "receiver", "--highlight", "WaitingForInput", "--check", str(path)]) == 0
+    assert main(["diagram", "--role", "receiver", "--check", str(path)]) == 1
+
+
+@needs_dot
+def test_png_is_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "lifecycle.png"
+    assert main(["diagram", "--output", str(path)]) == 0
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert main(["diagram", "--check", str(path)]) == 0
