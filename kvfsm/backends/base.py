@@ -1,0 +1,509 @@
+"""The backend adapter protocol: how a transfer engine plugs into kvfsm.
+
+An adapter moves KV pages; the lifecycle core decides what that means for
+each room. The split is strict:
+
+* The core (`TransferManager` and its handles) owns every state. Only the
+  machine's hooks write the status table.
+* An adapter talks back **only** through events on the room's
+  `TransferHandle`: `bootstrapped()`, `transfer_started()`,
+  `chunk_done(nbytes, last)`, `transfer_done()`, `fail(FailureReason)` and
+  `writes_drained()`. It never assigns a status and never aborts a room by
+  itself (it reports `fail(...)` and the core decides).
+* Abort lives once, in the core: `handle.abort()` (or `timeout`, or a
+  `fail` from anywhere) moves the room to `Failed`. `KVBackend` subscribes
+  to its manager and, for every room that enters `Failed`, calls the
+  adapter's `_stop(handle)` exactly once. The adapter stops issuing writes
+  for that room and calls `handle.writes_drained()` once none of its writes
+  into the room's pages can still land (immediately if nothing was in
+  flight). That opens the release gate.
+
+One `KVBackend` instance is one endpoint: one role (its manager's) in one
+process. A prefill endpoint and a decode endpoint find each other through
+`address` strings (an in-process directory for `LocalBackend`, a ZeroMQ
+bootstrap server for cross-process engines). The lifecycle of one room:
+
+    receiver side (decode)                 sender side (prefill)
+    h = manager.open(room)                 h = manager.open(room)
+    backend.bootstrap(h, prefill_addr)     backend.bootstrap(h, prefill_addr)
+      ... adapter: h.bootstrapped() on both once they rendezvous ...
+    backend.expect(h, dst_pages, aux)      backend.send(h, pages_0)
+                                           backend.send(h, pages_1)
+                                           backend.send(h, [], last=True, aux_index=a)
+      ... adapter on both: transfer_started, chunk_done xN, transfer_done ...
+
+`send` is called once per chunk (chunked prefill); the call flagged
+`last=True` ends the room's transfer and may carry zero pages. Pages map in
+order: the k-th page sent lands in the k-th page the receiver expects. The
+aux (metadata) slot is copied last, as the commit marker: the receiver
+reports `transfer_done()` only after it landed and names the right room.
+
+Public methods of `KVBackend` validate their input the same way for every
+adapter (role, handle ownership, closed rooms, page lists) and then call
+the adapter's `_bootstrap`, `_expect`, `_send`. Bad input raises
+`TransferInputError` naming the room and what was wrong, and, when the room
+is still open and live, fails it with `TRANSFER_ERROR` first, so the
+scheduler sees the failure and nothing else is touched.
+
+Adapters must not import heavy modules at import time of `kvfsm.backends`;
+the registry in `kvfsm/backends/__init__.py` imports them by name on demand.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Hashable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, NoReturn
+
+import attrs
+
+from .._errors import KVFSMError
+from .._manager import TransferHandle, TransferManager
+from .._observe import StateChange
+from .._states import FailureKind, FailureReason, KVPoll, Role
+
+__all__ = [
+    "KVBackend",
+    "KVPools",
+    "MemoryRegion",
+    "TransferInputError",
+    "BackendError",
+    "check_pages",
+]
+
+logger = logging.getLogger("kvfsm.backends")
+
+
+class BackendError(KVFSMError, RuntimeError):
+    """An adapter cannot do what was asked (not set up, closed, engine missing)."""
+
+
+class TransferInputError(KVFSMError, ValueError):
+    """Bad input for one room's transfer: the room is named and what was wrong.
+
+    When raised for an open, live room, that room was failed first with
+    `FailureKind.TRANSFER_ERROR` and the same message.
+    """
+
+    def __init__(self, room: Hashable, problem: str) -> None:
+        self.room = room
+        self.problem = problem
+        super().__init__(room, problem)
+
+    def __str__(self) -> str:
+        return f"room {self.room!r}: {self.problem}"
+
+
+# -- pool descriptions -------------------------------------------------------------
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"MemoryRegion.{attribute.name} must be an int >= 0; got {value!r}")
+
+
+@attrs.frozen(slots=True)
+class MemoryRegion:
+    """One registered buffer of pages: where it is, how long, bytes per page.
+
+    `ptr`/`nbytes` are what RDMA-style engines register (SGLang's
+    `kv_data_ptrs`/`kv_data_lens`); `page_nbytes` is the bytes one page
+    occupies in this buffer (SGLang's `kv_item_lens`). Page `i` lives at
+    `ptr + i * page_nbytes`. `tensor` is the buffer itself for in-process
+    adapters (a torch tensor whose first dimension is the page); it is not
+    compared or hashed. `dtype` is a label such as "bfloat16" used to check
+    that both sides agree; `name` only helps error messages.
+    """
+
+    ptr: int = attrs.field(validator=_non_negative)
+    nbytes: int = attrs.field(validator=_non_negative)
+    page_nbytes: int = attrs.field(validator=_non_negative)
+    device: str = "cpu"
+    dtype: str | None = None
+    name: str = ""
+    tensor: Any = attrs.field(default=None, eq=False, hash=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.page_nbytes == 0:
+            raise ValueError(f"MemoryRegion {self.name or hex(self.ptr)}: page_nbytes must be > 0")
+        if self.nbytes % self.page_nbytes:
+            raise ValueError(
+                f"MemoryRegion {self.name or hex(self.ptr)}: nbytes {self.nbytes} is not a multiple of "
+                f"page_nbytes {self.page_nbytes}"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        return self.nbytes // self.page_nbytes
+
+    @classmethod
+    def of_tensor(cls, tensor: Any, name: str = "") -> MemoryRegion:
+        """Describe a contiguous tensor whose first dimension indexes pages.
+
+        Duck-typed (no torch import): needs `data_ptr()`, `numel()`,
+        `element_size()`, `shape`, `dtype`, `device`, `is_contiguous()`.
+        """
+        if not tensor.is_contiguous():
+            raise ValueError(f"KV buffer {name or '?'} must be contiguous; got strides {tuple(tensor.stride())}")
+        if len(tensor.shape) < 1 or tensor.shape[0] == 0:
+            raise ValueError(
+                f"KV buffer {name or '?'} needs a first (page) dimension > 0; got shape {tuple(tensor.shape)}"
+            )
+        nbytes = int(tensor.numel()) * int(tensor.element_size())
+        return cls(
+            ptr=int(tensor.data_ptr()),
+            nbytes=nbytes,
+            page_nbytes=nbytes // int(tensor.shape[0]),
+            device=str(tensor.device),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            name=name,
+            tensor=tensor,
+        )
+
+
+def _regions(value: Iterable[MemoryRegion]) -> tuple[MemoryRegion, ...]:
+    regions = tuple(value)
+    for region in regions:
+        if not isinstance(region, MemoryRegion):
+            raise TypeError(f"KVPools takes MemoryRegion items; got {type(region).__name__}: {region!r}")
+    return regions
+
+
+@attrs.frozen(slots=True)
+class KVPools:
+    """Everything one endpoint registers: KV page buffers and aux slots.
+
+    `kv` lists one region per layer and per K/V (any fixed order, the same
+    on both sides); every region holds the same number of pages. `aux`
+    lists the metadata buffers, indexed by an aux slot per request rather
+    than by page (SGLang's `aux_data_ptrs`); each aux region's
+    `page_nbytes` is the size of one slot.
+    """
+
+    kv: tuple[MemoryRegion, ...] = attrs.field(converter=_regions)
+    aux: tuple[MemoryRegion, ...] = attrs.field(default=(), converter=_regions)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kv:
+            raise ValueError("KVPools needs at least one KV region")
+        pages = {region.num_pages for region in self.kv}
+        if len(pages) != 1:
+            detail = ", ".join(f"{r.name or hex(r.ptr)}={r.num_pages}" for r in self.kv)
+            raise ValueError(f"every KV region must hold the same number of pages; got {detail}")
+        slots = {region.num_pages for region in self.aux}
+        if len(slots) > 1:
+            detail = ", ".join(f"{r.name or hex(r.ptr)}={r.num_pages}" for r in self.aux)
+            raise ValueError(f"every aux region must hold the same number of slots; got {detail}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv[0].num_pages
+
+    @property
+    def num_aux_slots(self) -> int:
+        return self.aux[0].num_pages if self.aux else 0
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page index moves: the sum over all KV regions."""
+        return sum(region.page_nbytes for region in self.kv)
+
+    @property
+    def layout(self) -> tuple[tuple[int, str | None], ...]:
+        """(bytes per page, dtype) per KV region: both sides must agree on it."""
+        return tuple((region.page_nbytes, region.dtype) for region in self.kv)
+
+    def layout_mismatch(self, other: KVPools) -> str | None:
+        """Why `other` cannot exchange pages with this pool, or None if it can."""
+        if len(self.kv) != len(other.kv):
+            return f"{len(self.kv)} KV regions here, {len(other.kv)} on the peer"
+        for index, (mine, theirs) in enumerate(zip(self.kv, other.kv, strict=True)):
+            if mine.page_nbytes != theirs.page_nbytes:
+                return f"KV region {index} ({mine.name or '?'}): {mine.page_nbytes} bytes per page here, {theirs.page_nbytes} on the peer"
+            if mine.dtype is not None and theirs.dtype is not None and mine.dtype != theirs.dtype:
+                return f"KV region {index} ({mine.name or '?'}): dtype {mine.dtype} here, {theirs.dtype} on the peer"
+        if len(self.aux) != len(other.aux):
+            return f"{len(self.aux)} aux regions here, {len(other.aux)} on the peer"
+        for index, (mine, theirs) in enumerate(zip(self.aux, other.aux, strict=True)):
+            if mine.page_nbytes != theirs.page_nbytes:
+                return f"aux region {index}: {mine.page_nbytes} bytes per slot here, {theirs.page_nbytes} on the peer"
+        return None
+
+    @classmethod
+    def from_tensors(cls, k: Any, v: Any, aux: Any = None) -> KVPools:
+        """Describe K and V buffers given as per-layer lists or one [layers, pages, ...] tensor each.
+
+        Regions are ordered k0, v0, k1, v1, ...; a stacked tensor is split
+        into per-layer views (no copy). `aux` is one tensor [slots, ...] or
+        a list of them.
+        """
+        ks, vs = _per_layer(k), _per_layer(v)
+        if len(ks) != len(vs):
+            raise ValueError(f"K has {len(ks)} layers but V has {len(vs)}")
+        regions: list[MemoryRegion] = []
+        for layer, (kt, vt) in enumerate(zip(ks, vs, strict=True)):
+            regions.append(MemoryRegion.of_tensor(kt, f"k{layer}"))
+            regions.append(MemoryRegion.of_tensor(vt, f"v{layer}"))
+        aux_list = [] if aux is None else (list(aux) if isinstance(aux, (list, tuple)) else [aux])
+        return cls(regions, tuple(MemoryRegion.of_tensor(t, f"aux{i}") for i, t in enumerate(aux_list)))
+
+
+def _per_layer(buffers: Any) -> list[Any]:
+    if isinstance(buffers, (list, tuple)):
+        return list(buffers)
+    # A stacked [layers, pages, ...] tensor: one view per layer.
+    return list(buffers.unbind(0))
+
+
+def check_pages(room: Hashable, pages: Iterable[int], limit: int, what: str) -> list[int]:
+    """Validate page (or aux slot) indices: ints in [0, limit). Returns them as a list.
+
+    Raises `TransferInputError` naming the room and the first bad index.
+    """
+    try:
+        checked = [int(p) for p in pages]
+    except (TypeError, ValueError) as exc:
+        raise TransferInputError(room, f"{what} must be integers; {exc}") from None
+    for position, page in enumerate(checked):
+        if not 0 <= page < limit:
+            raise TransferInputError(
+                room, f"{what}[{position}] = {page} is out of range: the pool has {limit} (valid 0..{limit - 1})"
+            )
+    return checked
+
+
+def _as_index_list(room: Hashable, pages: Any, what: str) -> Sequence[int]:
+    """Accept a list/tuple/range of ints, a 1-D integer tensor or numpy array."""
+    if isinstance(pages, (list, tuple, range)):
+        return pages
+    dtype = getattr(pages, "dtype", None)
+    if dtype is not None:
+        kind = str(dtype).removeprefix("torch.")
+        if not any(kind.startswith(prefix) for prefix in ("int", "uint")):
+            raise TransferInputError(room, f"{what} must have an integer dtype; got {kind}")
+        if len(getattr(pages, "shape", ())) != 1:
+            raise TransferInputError(room, f"{what} must be 1-D; got shape {tuple(pages.shape)}")
+        return [int(p) for p in pages.tolist()]
+    raise TransferInputError(room, f"{what} must be a sequence of ints; got {type(pages).__name__}")
+
+
+# -- the adapter base ------------------------------------------------------------------
+
+
+class KVBackend(abc.ABC):
+    """Base of every adapter: one endpoint (one role) bound to one manager.
+
+    Subclasses implement `address`, `_register_pools`, `_bootstrap`,
+    `_expect` (receiver), `_send` (sender) and `_stop`, and may override
+    `_forget` (room closed) and `_shutdown`. They emit events on handles and
+    nothing else.
+    """
+
+    #: The registry name ("local", "fake", "mooncake", ...).
+    name: ClassVar[str] = "?"
+
+    def __init__(self, manager: TransferManager) -> None:
+        if not isinstance(manager, TransferManager):
+            raise TypeError(f"a backend needs a kvfsm.TransferManager; got {type(manager).__name__}: {manager!r}")
+        self.manager = manager
+        self.role: Role = manager.role
+        self.pools: KVPools | None = None
+        self._rooms: dict[Hashable, TransferHandle] = {}
+        self._rooms_lock = threading.Lock()
+        self._stopped: set[tuple[Hashable, int]] = set()
+        self._closed = False
+        self._unsubscribe = manager.subscribe(self._observe)
+
+    # -- what adapters implement ----------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Where a peer reaches this endpoint (what `bootstrap(peer=...)` takes)."""
+
+    @abc.abstractmethod
+    def _register_pools(self, pools: KVPools) -> None:
+        """Register the endpoint's memory with the engine."""
+
+    @abc.abstractmethod
+    def _bootstrap(self, handle: TransferHandle, peer: str) -> None:
+        """Start the handshake for a room; emit `bootstrapped()` (or `fail`) when done."""
+
+    def _expect(self, handle: TransferHandle, pages: list[int], aux_index: int | None) -> None:
+        """Receiver: the room's destination pages and aux slot (validated)."""
+        raise BackendError(f"{type(self).__name__} cannot receive")
+
+    def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
+        """Sender: start the next chunk's writes (validated); must not block on the copy."""
+        raise BackendError(f"{type(self).__name__} cannot send")
+
+    @abc.abstractmethod
+    def _stop(self, handle: TransferHandle) -> None:
+        """The room entered Failed: stop its work, later call `handle.writes_drained()`.
+
+        Called once per failed room, outside the manager's lock, possibly on
+        another thread. Must not block on in-flight copies.
+        """
+
+    def _forget(self, handle: TransferHandle) -> None:
+        """The room was closed: drop any per-room state. Default: nothing."""
+        return
+
+    def _shutdown(self) -> None:
+        """Release the engine's resources (threads, sockets). Default: nothing."""
+        return
+
+    # -- the public surface --------------------------------------------------------------
+
+    def register_pools(self, pools: KVPools) -> None:
+        """Register this endpoint's KV pools (once, before any room)."""
+        self._check_open()
+        if not isinstance(pools, KVPools):
+            raise TypeError(f"register_pools needs a KVPools; got {type(pools).__name__}: {pools!r}")
+        if self.pools is not None:
+            raise BackendError(f"{type(self).__name__} at {self.address}: pools are already registered")
+        self._register_pools(pools)
+        self.pools = pools
+
+    def bootstrap(self, handle: TransferHandle, peer: str) -> None:
+        """Start the handshake of `handle`'s room with the endpoint at `peer`."""
+        self._check_handle(handle, "bootstrap")
+        if not isinstance(peer, str):
+            self._reject(handle, f"bootstrap peer must be an address string; got {type(peer).__name__}: {peer!r}")
+        with self._rooms_lock:
+            if self._rooms.get(handle.room) is handle:
+                duplicate = True
+            else:
+                duplicate = False
+                self._rooms[handle.room] = handle
+        if duplicate:
+            self._reject(handle, "bootstrap() was already called for this room")
+        if handle.state is KVPoll.Failed:
+            # It failed before we knew it (its notice found no room here):
+            # nothing was issued, so stopping it drains it at once.
+            self._stop_once(handle)
+            return
+        self._bootstrap(handle, peer)
+
+    def expect(self, handle: TransferHandle, pages: Sequence[int] | Any, aux_index: int | None = None) -> None:
+        """Receiver: the pages (in order) and the aux slot this room's data lands in."""
+        self._check_handle(handle, "expect", Role.RECEIVER)
+        if handle.is_terminal:
+            return
+        checked, aux = self._check_indices(handle, pages, aux_index, "destination pages")
+        self._expect(handle, checked, aux)
+
+    def send(
+        self,
+        handle: TransferHandle,
+        pages: Sequence[int] | Any,
+        *,
+        last: bool = False,
+        aux_index: int | None = None,
+    ) -> None:
+        """Sender: transfer the next chunk of source pages; `last=True` ends the room.
+
+        A chunk may be empty (a zero-page last chunk). `aux_index` names the
+        source aux slot copied as the commit marker; give it with the last
+        chunk (or earlier). On a room that already ended this does nothing.
+        """
+        self._check_handle(handle, "send", Role.SENDER)
+        if handle.is_terminal:
+            logger.debug("kvfsm send on room %r ignored: it is %s", handle.room, handle.state.name)
+            return
+        checked, aux = self._check_indices(handle, pages, aux_index, "source pages")
+        self._send(handle, checked, bool(last), aux)
+
+    def close(self) -> None:
+        """Stop observing the manager and release the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unsubscribe()
+        self._shutdown()
+
+    def __enter__(self) -> KVBackend:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.role.value} at {self.address} rooms={len(self._rooms)}>"
+
+    # -- shared checks -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"{type(self).__name__} ({self.role.value}) is closed")
+
+    def _check_handle(self, handle: TransferHandle, method: str, role: Role | None = None) -> None:
+        self._check_open()
+        if not isinstance(handle, TransferHandle):
+            raise TypeError(f"{method}() needs a TransferHandle; got {type(handle).__name__}: {handle!r}")
+        if handle._manager is not self.manager:
+            raise TransferInputError(
+                handle.room, f"{method}(): this handle belongs to another manager than this {self.role.value} backend's"
+            )
+        if handle.closed:
+            raise TransferInputError(handle.room, f"{method}() on a closed room")
+        if role is not None and self.role is not role:
+            self._reject(handle, f"{method}() is for a {role.value}; this backend is the {self.role.value}")
+        if self.pools is None:
+            self._reject(handle, f"{method}(): register_pools() was not called on this {self.role.value} backend")
+
+    def _check_indices(
+        self, handle: TransferHandle, pages: Any, aux_index: int | None, what: str
+    ) -> tuple[list[int], int | None]:
+        assert self.pools is not None
+        try:
+            checked = check_pages(handle.room, _as_index_list(handle.room, pages, what), self.pools.num_pages, what)
+            aux: int | None = None
+            if aux_index is not None:
+                if self.pools.num_aux_slots == 0:
+                    raise TransferInputError(
+                        handle.room, f"aux_index {aux_index} given but no aux region is registered"
+                    )
+                aux = check_pages(handle.room, [aux_index], self.pools.num_aux_slots, "aux_index")[0]
+        except TransferInputError as exc:
+            self._reject(handle, exc.problem)
+        return checked, aux
+
+    def _reject(self, handle: TransferHandle, problem: str) -> NoReturn:
+        """Fail the room (if live) with `problem` and raise `TransferInputError`."""
+        if not handle.closed and not handle.is_terminal:
+            handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, problem))
+        raise TransferInputError(handle.room, problem)
+
+    def handle_of(self, room: Hashable) -> TransferHandle | None:
+        """The handle this backend knows for `room`, if bootstrapped and not closed."""
+        return self._rooms.get(room)
+
+    # -- the core's side: failures and closes reach the adapter -----------------------------
+
+    def _stop_once(self, handle: TransferHandle) -> None:
+        key = (handle.room, handle.generation)
+        with self._rooms_lock:
+            if key in self._stopped:
+                return
+            self._stopped.add(key)
+        self._stop(handle)
+
+    def _observe(self, change: StateChange) -> None:
+        if change.dest is KVPoll.Failed:
+            handle = self._rooms.get(change.room)
+            if handle is not None and handle.generation == change.generation:
+                self._stop_once(handle)
+        elif change.event == "close":
+            with self._rooms_lock:
+                handle = self._rooms.get(change.room)
+                if handle is None or handle.generation != change.generation:
+                    return
+                del self._rooms[change.room]
+                self._stopped.discard((change.room, change.generation))
+            self._forget(handle)
