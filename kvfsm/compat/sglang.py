@@ -48,7 +48,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from .. import _errors
 from .._errors import ConfigError, DuplicateRoom, UnknownRoom
@@ -56,6 +56,9 @@ from .._manager import TransferHandle, TransferManager
 from .._observe import StateChange
 from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
 from ._legacy_status import FailureRecordsView, RequestStatusView, drive_to
+
+if TYPE_CHECKING:
+    from ..backends.base import KVBackend
 
 __all__ = [
     "KVPoll",
@@ -285,6 +288,7 @@ class KVManager:
         strict: bool = False,
         reaper: bool = True,
         remember_closed: int = 65536,
+        backend: Callable[[TransferManager], KVBackend] | None = None,
     ) -> None:
         role = self._role_for(disaggregation_mode)
         self.kv_args = args
@@ -309,6 +313,8 @@ class KVManager:
         self._pending_failures: dict[Hashable, FailureReason] = {}
         self._closed: OrderedDict[Hashable, None] = OrderedDict()
         self._remember_closed = remember_closed
+        #: The data-plane adapter (`kvfsm.backends`), built on this manager's rooms.
+        self.backend: KVBackend | None = backend(self.transfer_manager) if backend is not None else None
         if reaper:
             self.transfer_manager.start_reaper()
 
@@ -473,9 +479,15 @@ class KVManager:
     # -- lifetime ---------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the reaper threads (this manager's and its fake rooms')."""
+        """Stop the reaper threads (this manager's and its fake rooms') and close the backend."""
         self.transfer_manager.stop_reaper()
         self.fake_rooms.stop()
+        if self.backend is not None:
+            self.backend.close()
+
+    def peer_address(self, bootstrap_addr: str) -> str:
+        """The backend address of the prefill endpoint SGLang names `bootstrap_addr` (identity by default)."""
+        return bootstrap_addr
 
     def __enter__(self) -> KVManager:
         return self
@@ -669,6 +681,8 @@ class KVSender(_Endpoint):
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
         manager = _require_manager(mgr, KVSender)
         self._bind(manager.open_room(bootstrap_room), manager.close_handle)
+        if manager.backend is not None:
+            manager.backend.bootstrap(self.handle, manager.peer_address(self.bootstrap_addr))
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """The number of KV pages this request will send, and its metadata slot."""
@@ -691,9 +705,13 @@ class KVSender(_Endpoint):
         self.send_chunk(kv_indices, index_slice, is_last, state_indices)
 
     def send_chunk(self, kv_indices: Any, index_slice: slice, is_last: bool, state_indices: list[Any] | None) -> None:
-        """Move one chunk (backends implement this)."""
+        """Move one chunk through the manager's backend (or a subclass's own code)."""
+        backend = getattr(self.kv_mgr, "backend", None)
+        if backend is not None:
+            backend.send(self.handle, kv_indices, last=is_last, aux_index=self.aux_index if is_last else None)
+            return
         raise NotImplementedError(
-            f"{type(self).__name__}.send_chunk: a backend sender must implement it "
+            f"{type(self).__name__}.send_chunk: give the KVManager a backend or implement send_chunk "
             f"(room {self.bootstrap_room!r}, pages {index_slice.start}..{index_slice.stop}, last={is_last})"
         )
 
@@ -734,8 +752,15 @@ class KVReceiver(_Endpoint):
         self._bind(manager.open_room(bootstrap_room), manager.close_handle)
 
     def init(self, prefill_dp_rank: int) -> None:
-        """Resolve the prefill peer (backends extend this and fire `bootstrapped`)."""
+        """Start the handshake with the prefill peer through the manager's backend, if any.
+
+        Subclasses written as SGLang backends extend this and fire
+        `self.handle.bootstrapped()` (or `kv_mgr.update_status`) when done.
+        """
         self.prefill_dp_rank = prefill_dp_rank
+        manager = self.kv_mgr
+        if isinstance(manager, KVManager) and manager.backend is not None:
+            manager.backend.bootstrap(self.handle, manager.peer_address(self.bootstrap_addr))
 
     def send_metadata(
         self,
@@ -745,9 +770,14 @@ class KVReceiver(_Endpoint):
         decode_prefix_len: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """Tell the prefill side where to write (backends implement this)."""
+        """Tell the prefill side where to write, through the manager's backend (or a subclass's code)."""
+        backend = getattr(self.kv_mgr, "backend", None)
+        if backend is not None:
+            backend.expect(self.handle, kv_indices, aux_index)
+            return
         raise NotImplementedError(
-            f"{type(self).__name__}.send_metadata: a backend receiver must implement it (room {self.bootstrap_room!r})"
+            f"{type(self).__name__}.send_metadata: give the KVManager a backend or implement send_metadata "
+            f"(room {self.bootstrap_room!r})"
         )
 
 
@@ -846,7 +876,7 @@ class FakeKVReceiver(KVReceiver):
         self._bind(handle, TransferHandle.close)
 
     def init(self, prefill_dp_rank: int) -> None:
-        super().init(prefill_dp_rank)
+        self.prefill_dp_rank = prefill_dp_rank
         self.bootstrap_done = True
         handle = self.handle
         if handle.state is KVPoll.Bootstrapping:
