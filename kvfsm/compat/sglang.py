@@ -264,7 +264,13 @@ class KVManager:
     knobs, 300 s each for bootstrap and waiting), an injectable `clock`,
     `strict` mode, and whether to start the deadline `reaper` thread (on by
     default: SGLang stops polling some queues, and a deadline must fire
-    anyway).
+    anyway). `backend` builds the data-plane adapter from the manager's
+    `TransferManager` (for instance `kvfsm.backends.FakeBackend`, or a
+    function that builds a `LocalBackend` and registers its pools): with
+    one, `KVSender` and `KVReceiver` move data through it; without one they
+    are bases for a backend written as SGLang subclasses. `peer_address`
+    maps SGLang's `bootstrap_addr` ("host:port" of the prefill server) to
+    the backend's address of that endpoint.
 
     The legacy status surface (`request_status`, `update_status`,
     `check_status`, `record_failure`, `failure_records`, `failure_lock`)
@@ -289,6 +295,7 @@ class KVManager:
         reaper: bool = True,
         remember_closed: int = 65536,
         backend: Callable[[TransferManager], KVBackend] | None = None,
+        peer_address: Callable[[str], str] | None = None,
     ) -> None:
         role = self._role_for(disaggregation_mode)
         self.kv_args = args
@@ -315,6 +322,7 @@ class KVManager:
         self._remember_closed = remember_closed
         #: The data-plane adapter (`kvfsm.backends`), built on this manager's rooms.
         self.backend: KVBackend | None = backend(self.transfer_manager) if backend is not None else None
+        self._peer_address = peer_address
         if reaper:
             self.transfer_manager.start_reaper()
 
@@ -486,7 +494,13 @@ class KVManager:
             self.backend.close()
 
     def peer_address(self, bootstrap_addr: str) -> str:
-        """The backend address of the prefill endpoint SGLang names `bootstrap_addr` (identity by default)."""
+        """The backend address of the prefill endpoint SGLang names `bootstrap_addr`.
+
+        Identity unless the manager was given a `peer_address` function
+        (an in-process `LocalBackend` has addresses of its own).
+        """
+        if self._peer_address is not None:
+            return self._peer_address(bootstrap_addr)
         return bootstrap_addr
 
     def __enter__(self) -> KVManager:
@@ -647,6 +661,14 @@ def _close_quietly(close: Callable[[TransferHandle], None], handle: TransferHand
             close(handle)
 
 
+def _aux_slot(backend: KVBackend, aux_index: int | None) -> int | None:
+    """SGLang always names a metadata slot; a backend with no aux region registered moves none."""
+    pools = backend.pools
+    if pools is None or pools.num_aux_slots == 0:
+        return None
+    return aux_index
+
+
 class KVSender(_Endpoint):
     """SGLang's prefill-side sender for one request, on a kvfsm room.
 
@@ -676,6 +698,7 @@ class KVSender(_Endpoint):
         self.num_kv_indices: int | None = None
         self.aux_index: int | None = None
         self.curr_idx = 0
+        self.last_chunk_sent = False
         self._open(mgr, bootstrap_room)
 
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
@@ -697,18 +720,27 @@ class KVSender(_Endpoint):
         num_kv_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """Send one chunk of pages; the last one is the chunk that reaches `num_kv_indices`."""
+        """Send one chunk of pages; the last one is the chunk that reaches `num_kv_indices`.
+
+        The scheduler sends a zero-page last chunk even when the chunks
+        before it already covered every page (`should_send_kv_chunk(0,
+        True)`); the transfer was concluded by then, so it is a no-op.
+        """
         count = len(kv_indices)
+        if count == 0 and self.last_chunk_sent:
+            return
         index_slice = slice(self.curr_idx, self.curr_idx + count)
         self.curr_idx += count
         is_last = self.num_kv_indices is not None and self.curr_idx >= self.num_kv_indices
+        self.last_chunk_sent = self.last_chunk_sent or is_last
         self.send_chunk(kv_indices, index_slice, is_last, state_indices)
 
     def send_chunk(self, kv_indices: Any, index_slice: slice, is_last: bool, state_indices: list[Any] | None) -> None:
         """Move one chunk through the manager's backend (or a subclass's own code)."""
         backend = getattr(self.kv_mgr, "backend", None)
         if backend is not None:
-            backend.send(self.handle, kv_indices, last=is_last, aux_index=self.aux_index if is_last else None)
+            aux_index = _aux_slot(backend, self.aux_index) if is_last else None
+            backend.send(self.handle, kv_indices, last=is_last, aux_index=aux_index)
             return
         raise NotImplementedError(
             f"{type(self).__name__}.send_chunk: give the KVManager a backend or implement send_chunk "
@@ -773,7 +805,7 @@ class KVReceiver(_Endpoint):
         """Tell the prefill side where to write, through the manager's backend (or a subclass's code)."""
         backend = getattr(self.kv_mgr, "backend", None)
         if backend is not None:
-            backend.expect(self.handle, kv_indices, aux_index)
+            backend.expect(self.handle, kv_indices, _aux_slot(backend, aux_index))
             return
         raise NotImplementedError(
             f"{type(self).__name__}.send_metadata: give the KVManager a backend or implement send_metadata "
