@@ -27,5 +27,6 @@ def test_conformance_kit_guide_examples_run(index: int) -> None:
     assert cases, "each example defines a test case"
     for case in cases:
         assert issubclass(case, unittest.TestCase)
-        case.settings = settings(max_examples=10, stateful_step_count=20)
-        case("runTest").runTest()
+        runnable: Any = case
+        runnable.settings = settings(max_examples=10, stateful_step_count=20)
+        runnable("runTest").runTest()
