@@ -22,6 +22,8 @@ from kvfsm.backends.fake import FakeBackend  # noqa: E402
 from kvfsm.backends.local import NO_FAULTS, Faults, LocalBackend, LocalFabric  # noqa: E402
 
 PAGES = 12
+# Half the profile's examples (the ci profile runs ten times more), short runs of steps.
+HALF = settings(max_examples=max(10, settings.default.max_examples // 2), stateful_step_count=30)
 LAYERS = 2
 WORDS_PER_PAGE = 4
 
@@ -79,9 +81,9 @@ class LocalBackendConformance(BackendConformance):
 
 
 TestFakeBackend = FakeBackendConformance.TestCase
-TestFakeBackend.settings = settings(max_examples=50, stateful_step_count=30)
+TestFakeBackend.settings = HALF
 TestLocalBackend = LocalBackendConformance.TestCase
-TestLocalBackend.settings = settings(max_examples=50, stateful_step_count=30)
+TestLocalBackend.settings = HALF
 
 
 class FaultyLocalBackendConformance(LocalBackendConformance):
@@ -91,7 +93,7 @@ class FaultyLocalBackendConformance(LocalBackendConformance):
 
 
 TestFaultyLocalBackend = FaultyLocalBackendConformance.TestCase
-TestFaultyLocalBackend.settings = settings(max_examples=50, stateful_step_count=30)
+TestFaultyLocalBackend.settings = HALF
 
 
 class NeverDrains(FakeBackend):

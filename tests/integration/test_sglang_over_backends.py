@@ -45,8 +45,16 @@ class LocalPools:
         return build
 
 
-def wait_for(poller: Any, wanted: KVPoll, limit: int = 100000) -> KVPoll:
+def settle(manager: sglang.KVManager) -> None:
+    """Wait until the backend's worker ran every chunk queued so far (LocalBackend: one worker)."""
+    pool = getattr(manager.backend, "_pool", None)
+    if pool is not None:
+        pool.submit(lambda: None).result()
+
+
+def wait_for(poller: Any, wanted: KVPoll, limit: int = 1000) -> KVPoll:
     """Poll as the scheduler loop does until `wanted` or a terminal state."""
+    settle(poller.kv_mgr)
     for _ in range(limit):
         state = poller.poll()
         if state is wanted or state in (KVPoll.Success, KVPoll.Failed):

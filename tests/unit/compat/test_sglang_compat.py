@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -425,3 +426,36 @@ def test_the_reaper_runs_by_default() -> None:
     with sglang.KVManager(sglang.KVArgs(), "prefill") as manager:
         assert manager.transfer_manager.reaper_running
     assert not manager.transfer_manager.reaper_running
+
+
+def test_legacy_writes_racing_aborts_never_break_a_room() -> None:
+    """Transfer threads write statuses while the scheduler aborts: nothing out of order, nothing lost."""
+    rooms = range(200)
+    with sglang.KVManager(sglang.KVArgs(), "prefill", reaper=False) as manager:
+        senders = [new_sender(manager, room) for room in rooms]
+        start = threading.Barrier(3)
+
+        def transfer_thread() -> None:
+            start.wait()
+            for room in rooms:
+                manager.update_status(room, KVPoll.WaitingForInput)
+                manager.update_status(room, KVPoll.Success)
+
+        def scheduler_thread() -> None:
+            start.wait()
+            for sender in reversed(senders):
+                sender.abort()
+
+        threads = [threading.Thread(target=transfer_thread), threading.Thread(target=scheduler_thread)]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        for thread in threads:
+            thread.join()
+        stats = manager.transfer_manager.stats
+        assert stats.invalid_events == 0
+        for sender in senders:
+            assert sender.poll() in (KVPoll.Success, KVPoll.Failed)
+            assert manager.check_status(sender.bootstrap_room) is sender.poll()
+        failed = sum(1 for sender in senders if sender.poll() is KVPoll.Failed)
+        assert stats.aborts == failed
