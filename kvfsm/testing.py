@@ -547,6 +547,12 @@ class BackendConformance(RuleBasedStateMachine):
     and meanwhile aborts either side in any state, fails rooms as a peer
     would, fires late events, jumps the clock past deadlines, settles the
     adapters and releases the pages of finished rooms.
+
+    Every step that reaches the adapter ends with `settle()`, so the next
+    step is chosen from a state no adapter thread can still change:
+    hypothesis needs that to replay and shrink a failure. Within a step,
+    adapter threads still race the kit (an abort against a completing
+    transfer).
     """
 
     timeouts_under_test: ClassVar[Timeouts] = Timeouts(bootstrap=30.0, waiting=60.0, transferring=90.0, drain=3600.0)
@@ -606,6 +612,7 @@ class BackendConformance(RuleBasedStateMachine):
         self.transfers.append(transfer)
         self.pair.receiver.bootstrap(receiver, self.pair.peer)
         self.pair.sender.bootstrap(sender, self.pair.peer)
+        self.pair.settle()
 
     def _pick(self, data: st.DataObject) -> _Transfer:
         return data.draw(st.sampled_from(self.transfers), label="request")
@@ -617,6 +624,7 @@ class BackendConformance(RuleBasedStateMachine):
         transfer = data.draw(st.sampled_from([t for t in self.transfers if _can_expect(t)]), label="request")
         transfer.expected = True
         self.pair.receiver.expect(transfer.receiver, transfer.destination)
+        self.pair.settle()
 
     @precondition(lambda self: any(_can_send(t) for t in self.transfers))
     @rule(data=st.data())
@@ -626,6 +634,7 @@ class BackendConformance(RuleBasedStateMachine):
         chunk = transfer.chunks[transfer.sent]
         transfer.sent += 1
         self.pair.sender.send(transfer.sender, chunk, last=transfer.sent == len(transfer.chunks))
+        self.pair.settle()
 
     @precondition(lambda self: any(_can_expect(t) or _can_send(t) for t in self.transfers))
     @rule(data=st.data())
@@ -659,6 +668,7 @@ class BackendConformance(RuleBasedStateMachine):
         else:
             # It had already ended (maybe a moment ago, on an adapter thread): nothing changed.
             assert handle.is_terminal
+        self.pair.settle()
 
     @precondition(lambda self: bool(self.transfers))
     @rule(data=st.data(), side=st.sampled_from(["sender", "receiver"]), reason=failure_reasons(_REPORTED_KINDS))
@@ -671,6 +681,7 @@ class BackendConformance(RuleBasedStateMachine):
             assert recorded is not None
             assert (recorded.kind, recorded.message) == (reason.kind, reason.message)
         assert handle.is_terminal
+        self.pair.settle()
 
     @precondition(lambda self: any(t.sender.is_terminal or t.receiver.is_terminal for t in self.transfers))
     @rule(data=st.data(), event=st.sampled_from(["bootstrapped", "transfer_started", "transfer_done"]))
@@ -686,6 +697,7 @@ class BackendConformance(RuleBasedStateMachine):
         self.clock.advance(seconds)
         self.sender_manager.check_deadlines()
         self.receiver_manager.check_deadlines()
+        self.pair.settle()
 
     @rule()
     def settle(self) -> None:

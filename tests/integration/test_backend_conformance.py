@@ -23,7 +23,7 @@ from kvfsm.backends.local import NO_FAULTS, Faults, LocalBackend, LocalFabric  #
 
 PAGES = 12
 # Half the profile's examples (the ci profile runs ten times more), short runs of steps.
-HALF = settings(max_examples=max(10, settings.default.max_examples // 2), stateful_step_count=30)
+HALF = settings(max_examples=max(10, settings().max_examples // 2), stateful_step_count=30)
 LAYERS = 2
 WORDS_PER_PAGE = 4
 

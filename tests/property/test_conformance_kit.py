@@ -38,8 +38,8 @@ class StrictConformance(LifecycleConformance):
 TestCompiledEngine = CompiledEngineConformance.TestCase
 TestTransitionsEngine = TransitionsEngineConformance.TestCase
 TestStrictMode = StrictConformance.TestCase
-TestTransitionsEngine.settings = settings(max_examples=max(10, settings.default.max_examples // 3))
-TestStrictMode.settings = settings(max_examples=max(10, settings.default.max_examples // 2))
+TestTransitionsEngine.settings = settings(max_examples=max(10, settings().max_examples // 3))
+TestStrictMode.settings = settings(max_examples=max(10, settings().max_examples // 2))
 
 
 @given(event_sequences())
