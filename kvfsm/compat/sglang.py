@@ -636,6 +636,22 @@ class _Endpoint:
     def on_abort(self) -> None:
         """Backend side effects of an abort (tell the peer, ...); the room is already Failed."""
 
+    def _through_backend(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Call the adapter for this room; a refusal that failed the room is not the scheduler's crash.
+
+        SGLang's scheduler does not expect `send` or a constructor to raise.
+        An adapter that rejects its input fails the room first (with a
+        reason naming the problem), so the next `poll()` reports `Failed`
+        and `failure_exception()` explains why; only an error that left the
+        room live propagates.
+        """
+        try:
+            call(self.handle, *args, **kwargs)
+        except _errors.KVFSMError as error:
+            if not self.handle.is_terminal:
+                raise
+            logger.warning("kvfsm room %r: the backend refused %s: %s", self.bootstrap_room, call.__name__, error)
+
     def _abort_room(self) -> None:
         handle = self.handle
         if not handle.is_terminal:
@@ -705,7 +721,7 @@ class KVSender(_Endpoint):
         manager = _require_manager(mgr, KVSender)
         self._bind(manager.open_room(bootstrap_room), manager.close_handle)
         if manager.backend is not None:
-            manager.backend.bootstrap(self.handle, manager.peer_address(self.bootstrap_addr))
+            self._through_backend(manager.backend.bootstrap, manager.peer_address(self.bootstrap_addr))
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """The number of KV pages this request will send, and its metadata slot."""
@@ -740,7 +756,7 @@ class KVSender(_Endpoint):
         backend = getattr(self.kv_mgr, "backend", None)
         if backend is not None:
             aux_index = _aux_slot(backend, self.aux_index) if is_last else None
-            backend.send(self.handle, kv_indices, last=is_last, aux_index=aux_index)
+            self._through_backend(backend.send, kv_indices, last=is_last, aux_index=aux_index)
             return
         raise NotImplementedError(
             f"{type(self).__name__}.send_chunk: give the KVManager a backend or implement send_chunk "
@@ -792,7 +808,7 @@ class KVReceiver(_Endpoint):
         self.prefill_dp_rank = prefill_dp_rank
         manager = self.kv_mgr
         if isinstance(manager, KVManager) and manager.backend is not None:
-            manager.backend.bootstrap(self.handle, manager.peer_address(self.bootstrap_addr))
+            self._through_backend(manager.backend.bootstrap, manager.peer_address(self.bootstrap_addr))
 
     def send_metadata(
         self,
@@ -805,7 +821,7 @@ class KVReceiver(_Endpoint):
         """Tell the prefill side where to write, through the manager's backend (or a subclass's code)."""
         backend = getattr(self.kv_mgr, "backend", None)
         if backend is not None:
-            backend.expect(self.handle, kv_indices, _aux_slot(backend, aux_index))
+            self._through_backend(backend.expect, kv_indices, _aux_slot(backend, aux_index))
             return
         raise NotImplementedError(
             f"{type(self).__name__}.send_metadata: give the KVManager a backend or implement send_metadata "

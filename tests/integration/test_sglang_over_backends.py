@@ -145,3 +145,19 @@ def test_abort_on_decode_reaches_prefill_through_the_backend(
     assert caught.value.reason is not None
     assert caught.value.reason.kind is FailureKind.ABORTED
     assert receiver.release_safe
+
+
+def test_a_backend_refusal_fails_the_request_instead_of_raising() -> None:
+    fabric = LocalFabric()
+    prefill = sglang.KVManager(
+        sglang.KVArgs(),
+        "prefill",
+        reaper=False,
+        backend=LocalPools().backend(fabric),
+        peer_address=lambda _: "local://nowhere",
+    )
+    with prefill:
+        sender = sglang.KVSender(prefill, PREFILL, 5, [0], 0)
+        assert sender.poll() is KVPoll.Failed
+        with pytest.raises(sglang.KVTransferError, match="local://nowhere"):
+            sender.failure_exception()
