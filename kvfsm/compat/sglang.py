@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -196,6 +196,36 @@ def _drain_failed_fakes(manager: TransferManager) -> Callable[[StateChange], Non
     return observe
 
 
+class _Orphanage:
+    """Rooms whose sender or receiver was garbage-collected without `clear()`.
+
+    The scheduler drops requests without clearing them on some paths. A
+    finalizer may run in any thread at any allocation, even one made while
+    a manager's lock is held, so it must not close the room itself: it only
+    appends the handle here (atomic, lock-free), and the manager closes
+    orphans at its next safe point (opening a room, a status write or read).
+    """
+
+    def __init__(self, close: Callable[[TransferHandle], None]) -> None:
+        self.close = close
+        self._queue: deque[TransferHandle] = deque()
+
+    def adopt(self, handle: TransferHandle) -> None:
+        self._queue.append(handle)
+
+    def close_all(self) -> int:
+        closed = 0
+        while True:
+            try:
+                handle = self._queue.popleft()
+            except IndexError:
+                return closed
+            if not handle.closed:
+                with contextlib.suppress(UnknownRoom):
+                    self.close(handle)
+                closed += 1
+
+
 class _FakeRooms:
     """The managers fake requests live on, one per (role, waiting deadline).
 
@@ -211,8 +241,10 @@ class _FakeRooms:
         self._lock = threading.Lock()
         self._managers: dict[tuple[Role, float | None], TransferManager] = {}
         self._ids = itertools.count(1)
+        self.orphans = _Orphanage(TransferHandle.close)
 
     def open(self, role: Role, waiting: float | None, bootstrap_room: object) -> TransferHandle:
+        self.orphans.close_all()
         key = (role, waiting)
         with self._lock:
             manager = self._managers.get(key)
@@ -320,6 +352,7 @@ class KVManager:
         self._pending_failures: dict[Hashable, FailureReason] = {}
         self._closed: OrderedDict[Hashable, None] = OrderedDict()
         self._remember_closed = remember_closed
+        self.orphans = _Orphanage(self.close_handle)
         #: The data-plane adapter (`kvfsm.backends`), built on this manager's rooms.
         self.backend: KVBackend | None = backend(self.transfer_manager) if backend is not None else None
         self._peer_address = peer_address
@@ -349,8 +382,13 @@ class KVManager:
         generation (so the old request's late events cannot reach the new
         one). A room still in flight raises `kvfsm.DuplicateRoom`.
         """
+        self.collect_orphans()
         with self._lock:
             return self._open_locked(bootstrap_room)
+
+    def collect_orphans(self) -> int:
+        """Close the rooms of senders/receivers garbage-collected without `clear()`; how many."""
+        return self.orphans.close_all()
 
     def _open_locked(self, room: Hashable) -> TransferHandle:
         manager = self.transfer_manager
@@ -413,6 +451,7 @@ class KVManager:
 
     def check_status(self, bootstrap_room: Hashable) -> KVPoll:
         """The room's status; `kvfsm.UnknownRoom` (a `KeyError`) naming why if not open."""
+        self.collect_orphans()
         return self.transfer_manager.status(bootstrap_room)
 
     def update_status(self, bootstrap_room: Hashable, status: KVPoll | int) -> bool:
@@ -426,6 +465,7 @@ class KVManager:
         """
         target = KVPoll(status)
         room = bootstrap_room
+        self.collect_orphans()
         with self._lock:
             manager = self.transfer_manager
             if room not in manager:
@@ -564,12 +604,12 @@ class _Endpoint:
         if override is not None and not getattr(override, "__kvfsm_synced__", False):
             setattr(cls, "abort", _synced_abort(override))  # noqa: B010 - assigning a method is the point
 
-    def _bind(self, handle: TransferHandle, close: Callable[[TransferHandle], None]) -> None:
+    def _bind(self, handle: TransferHandle, orphans: _Orphanage) -> None:
         self.handle = handle
         self._closed_reason = None
-        self._close_room = close
+        self._close_room = orphans.close
         # A request the scheduler drops without clear() must not pin its room.
-        self._finalizer = weakref.finalize(self, _close_quietly, close, handle)
+        self._finalizer = weakref.finalize(self, orphans.adopt, handle)
         self._finalizer.atexit = False
 
     # -- reads --------------------------------------------------------------------
@@ -671,12 +711,6 @@ class _Endpoint:
         return f"<{type(self).__name__} room={self.bootstrap_room!r} {self.handle.state.name}>"
 
 
-def _close_quietly(close: Callable[[TransferHandle], None], handle: TransferHandle) -> None:
-    if not handle.closed:
-        with contextlib.suppress(UnknownRoom):
-            close(handle)
-
-
 def _aux_slot(backend: KVBackend, aux_index: int | None) -> int | None:
     """SGLang always names a metadata slot; a backend with no aux region registered moves none."""
     pools = backend.pools
@@ -719,7 +753,7 @@ class KVSender(_Endpoint):
 
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
         manager = _require_manager(mgr, KVSender)
-        self._bind(manager.open_room(bootstrap_room), manager.close_handle)
+        self._bind(manager.open_room(bootstrap_room), manager.orphans)
         if manager.backend is not None:
             self._through_backend(manager.backend.bootstrap, manager.peer_address(self.bootstrap_addr))
 
@@ -797,7 +831,7 @@ class KVReceiver(_Endpoint):
         manager = _require_manager(mgr, KVReceiver)
         if bootstrap_room is None:
             raise TypeError("KVReceiver needs a bootstrap_room (only FakeKVReceiver may have none)")
-        self._bind(manager.open_room(bootstrap_room), manager.close_handle)
+        self._bind(manager.open_room(bootstrap_room), manager.orphans)
 
     def init(self, prefill_dp_rank: int) -> None:
         """Start the handshake with the prefill peer through the manager's backend, if any.
@@ -864,7 +898,7 @@ class FakeKVSender(KVSender):
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
         fake_rooms = _fake_rooms_for(mgr)
         handle = fake_rooms.open(Role.SENDER, self.waiting_timeout, bootstrap_room)
-        self._bind(handle, TransferHandle.close)
+        self._bind(handle, fake_rooms.orphans)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         super().init(num_kv_indices, aux_index)
@@ -920,8 +954,9 @@ class FakeKVReceiver(KVReceiver):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, **kwargs)
 
     def _open(self, mgr: Any, bootstrap_room: int | None) -> None:
-        handle = _fake_rooms_for(mgr).open(Role.RECEIVER, None, bootstrap_room)
-        self._bind(handle, TransferHandle.close)
+        fake_rooms = _fake_rooms_for(mgr)
+        handle = fake_rooms.open(Role.RECEIVER, None, bootstrap_room)
+        self._bind(handle, fake_rooms.orphans)
 
     def init(self, prefill_dp_rank: int) -> None:
         self.prefill_dp_rank = prefill_dp_rank

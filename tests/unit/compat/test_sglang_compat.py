@@ -383,6 +383,9 @@ def test_dropping_a_sender_without_clear_closes_its_room(prefill: sglang.KVManag
     handle = sender.handle
     del sender
     gc.collect()
+    closed_by_the_finalizer = handle.closed
+    assert not closed_by_the_finalizer  # a finalizer never takes the manager's lock itself
+    assert prefill.collect_orphans() == 1
     assert handle.closed
     assert handle.state is KVPoll.Failed
     assert 32 not in prefill.request_status
