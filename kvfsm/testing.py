@@ -258,7 +258,11 @@ def _check_agreement(manager: TransferManager, handles: list[TransferHandle]) ->
             table = manager.status(handle.room)
         except UnknownRoom:
             continue  # closed by an adapter thread between the two reads
-        if handle.state is before and not handle.closed and manager.get(handle.room) is handle:
+        try:
+            current = manager.get(handle.room)
+        except UnknownRoom:
+            continue
+        if handle.state is before and not handle.closed and current is handle:
             assert table is before, (
                 f"rule 1 broken: room {handle.room!r} handle says {before.name}, table says {table.name}"
             )
