@@ -536,6 +536,17 @@ class LocalBackend(KVBackend):
         with self._lock:
             return self._audit.get((handle.room, handle.generation), 0)
 
+    def audited_rooms(self) -> list[tuple[Hashable, int]]:
+        """Receiver with `audit=True`: (room, generation) of open rooms that got writes.
+
+        Closing a room drops its entry, so an entry for a closed room means a
+        copy landed in its pages after it was closed.
+        """
+        if self._audit is None:
+            raise BackendError("audited_rooms() needs LocalBackend(..., audit=True)")
+        with self._lock:
+            return list(self._audit)
+
     def in_flight(self, handle: TransferHandle) -> int:
         """Chunks of this room being copied right now (0 when idle)."""
         link = self._links.get(handle.room)
