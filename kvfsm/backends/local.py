@@ -332,6 +332,9 @@ class LocalBackend(KVBackend):
         if mismatch is None:
             return True
         problem = f"the sender's and the receiver's pools differ: {mismatch}"
+        with link.lock:
+            # Both sides get the real reason, not a "peer failed" echo of it.
+            link.cancelled = True
         for handle in (link.sender, link.receiver):
             if handle is not None and not handle.closed and not handle.is_terminal:
                 handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
