@@ -462,3 +462,25 @@ def test_legacy_writes_racing_aborts_never_break_a_room() -> None:
             assert manager.check_status(sender.bootstrap_room) is sender.poll()
         failed = sum(1 for sender in senders if sender.poll() is KVPoll.Failed)
         assert stats.aborts == failed
+
+
+@pytest.mark.parametrize("reached", list(KVPoll), ids=lambda state: state.name)
+@pytest.mark.parametrize("endpoint", ["sender", "receiver"])
+def test_abort_in_every_state(
+    prefill: sglang.KVManager, decode: sglang.KVManager, reached: KVPoll, endpoint: str
+) -> None:
+    manager = prefill if endpoint == "sender" else decode
+    request: sglang.KVSender | sglang.KVReceiver = (
+        new_sender(prefill, 50) if endpoint == "sender" else sglang.KVReceiver(decode, ADDR, 50)
+    )
+    manager.update_status(50, reached)
+    assert request.poll() is reached
+    request.abort()
+    expected = reached if reached in kvfsm.TERMINAL else KVPoll.Failed
+    assert (request.poll(), manager.check_status(50), request.conclude_state) == (expected, expected, expected)
+    failure = manager.transfer_manager.failure(50)
+    if reached is KVPoll.Failed or reached is KVPoll.Success:
+        assert manager.transfer_manager.stats.aborts == 0
+    else:
+        assert failure is not None
+        assert (failure.kind, failure.state, failure.message) == (FailureKind.ABORTED, reached, "Aborted by AbortReq.")
