@@ -362,7 +362,7 @@ class LifecycleConformance(RuleBasedStateMachine):
     @rule(data=st.data(), event=events())
     def fire(self, data: st.DataObject, event: Event) -> None:
         handle = data.draw(st.sampled_from(sorted(self.live.values(), key=repr)), label="room")
-        self._expire_first(handle)
+        self._enforce_deadlines()
         before = handle.state
         expected = expected_state(before, event.name, strict=self.strict)
         if expected is None:
@@ -391,7 +391,7 @@ class LifecycleConformance(RuleBasedStateMachine):
     @rule(data=st.data())
     def writes_drained(self, data: st.DataObject) -> None:
         handle = data.draw(st.sampled_from(sorted(self.live.values(), key=repr)), label="room")
-        self._expire_first(handle)
+        self._enforce_deadlines()
         before = handle.state
         handle.writes_drained()
         assert handle.state is before, "rule 6: writes_drained() must never change a state"
@@ -472,7 +472,7 @@ class LifecycleConformance(RuleBasedStateMachine):
     def deadlines_enforced(self) -> None:
         _check_deadlines(self.manager, self.clock, list(self.live.values()))
 
-    def _expire_first(self, handle: TransferHandle) -> None:
+    def _enforce_deadlines(self) -> None:
         # Events enforce due deadlines before they apply; the model does the same.
         self.manager.check_deadlines()
 
@@ -538,7 +538,6 @@ class _Transfer:
     tokens: list[int]
     sent: int = 0
     expected: bool = False
-    aborted_at: KVPoll | None = None
 
 
 class BackendConformance(RuleBasedStateMachine):
@@ -667,8 +666,6 @@ class BackendConformance(RuleBasedStateMachine):
             reason = handle.reason
             assert reason is not None
             assert reason.kind is FailureKind.ABORTED
-            if transfer.aborted_at is None:
-                transfer.aborted_at = reason.state
         else:
             # It had already ended (maybe a moment ago, on an adapter thread): nothing changed.
             assert handle.is_terminal
