@@ -332,6 +332,9 @@ class LocalBackend(KVBackend):
         if mismatch is None:
             return True
         problem = f"the sender's and the receiver's pools differ: {mismatch}"
+        with link.lock:
+            # Both sides get the real reason, not a "peer failed" echo of it.
+            link.cancelled = True
         for handle in (link.sender, link.receiver):
             if handle is not None and not handle.closed and not handle.is_terminal:
                 handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
@@ -535,6 +538,17 @@ class LocalBackend(KVBackend):
             raise BackendError("writes_landed() needs LocalBackend(..., audit=True)")
         with self._lock:
             return self._audit.get((handle.room, handle.generation), 0)
+
+    def audited_rooms(self) -> list[tuple[Hashable, int]]:
+        """Receiver with `audit=True`: (room, generation) of open rooms that got writes.
+
+        Closing a room drops its entry, so an entry for a closed room means a
+        copy landed in its pages after it was closed.
+        """
+        if self._audit is None:
+            raise BackendError("audited_rooms() needs LocalBackend(..., audit=True)")
+        with self._lock:
+            return list(self._audit)
 
     def in_flight(self, handle: TransferHandle) -> int:
         """Chunks of this room being copied right now (0 when idle)."""

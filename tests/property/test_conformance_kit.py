@@ -1,0 +1,94 @@
+"""The conformance kit run against what ships: the bare manager (both engines, strict too)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+from hypothesis import given, settings
+
+from kvfsm import KVPoll, Role, TransferManager
+from kvfsm.testing import (
+    Event,
+    LifecycleConformance,
+    ManualClock,
+    event_sequences,
+    expected_state,
+    faults,
+    room_ids,
+    timeouts,
+)
+
+
+class CompiledEngineConformance(LifecycleConformance):
+    pass
+
+
+class TransitionsEngineConformance(LifecycleConformance):
+    role: ClassVar[Role] = Role.SENDER
+
+    def make_manager(self, clock: ManualClock) -> TransferManager:
+        return TransferManager(self.role, timeouts=self.timeouts_under_test, clock=clock, engine="transitions")
+
+
+class StrictConformance(LifecycleConformance):
+    strict: ClassVar[bool] = True
+
+
+TestCompiledEngine = CompiledEngineConformance.TestCase
+TestTransitionsEngine = TransitionsEngineConformance.TestCase
+TestStrictMode = StrictConformance.TestCase
+# The model checks every rule after every step: half the profile's examples keep CI under a minute here.
+TestCompiledEngine.settings = settings(max_examples=max(10, settings().max_examples // 2))
+TestTransitionsEngine.settings = settings(max_examples=max(10, settings().max_examples // 3))
+TestStrictMode.settings = settings(max_examples=max(10, settings().max_examples // 2))
+
+
+@given(event_sequences())
+def test_replaying_a_sequence_follows_the_table(sequence: list[Event]) -> None:
+    manager = TransferManager("receiver", clock=ManualClock())
+    handle = manager.open(1)
+    for event in sequence:
+        expected = expected_state(handle.state, event.name)
+        event.apply(handle)
+        assert handle.state is expected
+
+
+@given(room_ids(), faults(), timeouts())
+def test_strategies_build_valid_values(room: int | str, fault: object, limits: object) -> None:
+    manager = TransferManager("sender", clock=ManualClock())
+    assert manager.open(room).state is KVPoll.Bootstrapping
+
+
+def test_expected_state_in_strict_mode_names_the_refusal() -> None:
+    assert expected_state(KVPoll.Bootstrapping, "transfer_done", strict=True) is None
+    assert expected_state(KVPoll.Bootstrapping, "transfer_done") is KVPoll.Failed
+    assert expected_state(KVPoll.Success, "abort", strict=True) is KVPoll.Success
+    assert expected_state(KVPoll.Transferring, "chunk_done") is KVPoll.Transferring
+
+
+def test_timeout_is_not_a_handle_event() -> None:
+    handle = TransferManager("sender", clock=ManualClock()).open(1)
+    with pytest.raises(ValueError, match="advance the clock"):
+        Event("timeout").apply(handle)
+
+
+def test_the_kit_catches_a_broken_manager() -> None:
+    """A manager whose abort forgets the status table must be caught by the kit."""
+
+    class ForgetfulManager(TransferManager):
+        def _fire(self, handle, event, reason=None, nbytes=0, last=False):  # type: ignore[no-untyped-def]
+            if event == "abort" and handle.state is KVPoll.WaitingForInput:
+                handle.state = KVPoll.Failed  # the bug: a local flag, the table never hears of it
+                handle.reason = reason
+                return True
+            return super()._fire(handle, event, reason, nbytes, last)
+
+    class BrokenConformance(LifecycleConformance):
+        def make_manager(self, clock: ManualClock) -> TransferManager:
+            return ForgetfulManager(self.role, timeouts=self.timeouts_under_test, clock=clock)
+
+    case = BrokenConformance.TestCase
+    case.settings = settings(report_multiple_bugs=False, max_examples=200)
+    with pytest.raises(AssertionError):
+        case("runTest").runTest()
