@@ -21,7 +21,7 @@ attaches ~20 methods to every model) and no machine is built per room
   `transitions` itself runs the callbacks. It exists as the reference the
   compiled engine is proven equal to (see tests/property), and as a
   fallback should someone extend the machine with features the compiler
-  refuses (conditions, before/after callbacks).
+  refuses (conditions, prepare/after callbacks).
 
 Both pass `(record, now, reason)` as the trigger arguments, so the hooks see
 identical calls whichever engine runs them.
@@ -84,7 +84,15 @@ def build_machine(role: Role | str, *, machine_cls: type[Machine] = Machine, **o
         }
         for state in KVPoll
     ]
-    transitions = [{"trigger": spec.event, "source": list(spec.sources), "dest": spec.dest} for spec in TRANSITIONS]
+    transitions = [
+        {
+            "trigger": spec.event,
+            "source": list(spec.sources),
+            "dest": spec.dest,
+            "before": [_status.record_failure] if spec.dest is KVPoll.Failed else [],
+        }
+        for spec in TRANSITIONS
+    ]
     return machine_cls(
         model=None,
         states=states,
@@ -111,7 +119,7 @@ class Step:
     empty for internal steps, which change no state and run no hook.
     """
 
-    __slots__ = ("dest", "enter_hooks", "event", "exit_hooks", "lines", "run", "source")
+    __slots__ = ("before_hooks", "dest", "enter_hooks", "event", "exit_hooks", "lines", "run", "source")
 
     def __init__(
         self,
@@ -120,10 +128,12 @@ class Step:
         dest: KVPoll | None,
         exit_hooks: tuple[Hook, ...],
         enter_hooks: tuple[Hook, ...],
+        before_hooks: tuple[Hook, ...] = (),
     ) -> None:
         self.event = event
         self.source = source
         self.dest = dest
+        self.before_hooks = before_hooks
         self.exit_hooks = exit_hooks
         self.enter_hooks = enter_hooks
         self.lines: tuple[str, ...] = ()
@@ -157,12 +167,13 @@ def _compile(machine: Machine) -> dict[str, list[Step | None]]:
                 len(candidates) > 1
                 or transition.conditions
                 or transition.prepare
-                or transition.before
                 or transition.after
+                or machine.before_state_change
+                or machine.after_state_change
             ):
                 raise NotImplementedError(
                     f"the compiled engine runs unconditional transitions only; event {name!r} from "
-                    f"{source_name} has guards or callbacks: use engine='transitions'"
+                    f"{source_name} has guards, prepare or after callbacks: use engine='transitions'"
                 )
             source = KVPoll[source_name]
             if transition.dest is None:
@@ -175,6 +186,7 @@ def _compile(machine: Machine) -> dict[str, list[Step | None]]:
                     dest,
                     _hooks(machine.get_state(source_name).on_exit),
                     _hooks(machine.get_state(dest).on_enter),
+                    _hooks(transition.before),
                 )
         rows[name] = row
     missing = set(EVENTS) - rows.keys()
@@ -239,7 +251,9 @@ class CompiledEngine:
             for step in row:
                 if step is None or step.dest is None:
                     continue
-                lines = [line for hook in step.exit_hooks for line in self._hook_lines(hook, step.source)]
+                # The order transitions runs them in: before, exit, state change, enter.
+                lines = [line for hook in step.before_hooks for line in self._hook_lines(hook, step.source)]
+                lines += [line for hook in step.exit_hooks for line in self._hook_lines(hook, step.source)]
                 lines.append("room.state = " + step.dest.name)
                 lines += [line for hook in step.enter_hooks for line in self._hook_lines(hook, step.dest)]
                 step.lines = tuple(lines)

@@ -187,8 +187,17 @@ def enter_success(room: RoomRecord, now: float, reason: FailureReason | None, /)
     _enter(room, now).stats.final_states[_SUCCESS] += 1
 
 
+@inline("room.reason = reason")
+def record_failure(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
+    """Before a room enters Failed (a `before` callback): record why.
+
+    It runs before the state changes so that a reader who sees `Failed`
+    without taking the manager's lock also sees the reason.
+    """
+    room.reason = reason
+
+
 @inline(
-    "room.reason = reason",
     "room.finished_at = now",
     *_ENTER,
     "final_states[{state}] += 1",
@@ -197,7 +206,6 @@ def enter_success(room: RoomRecord, now: float, reason: FailureReason | None, /)
 def enter_failed(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
     if reason is None:  # pragma: no cover - the manager always supplies one
         raise AssertionError(f"room {room.room!r} entered Failed without a FailureReason")
-    room.reason = reason
     room.finished_at = now
     stats = _enter(room, now).stats
     stats.final_states[_FAILED] += 1
