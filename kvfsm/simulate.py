@@ -291,9 +291,31 @@ def _wait_release_safe(handle: TransferHandle, limit: float) -> bool:
 
 def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
     args = world.args
-    sb, rb = world.send_backend, world.recv_backend
     src_pages, src_aux = world.prefill.take(args.pages, rng)
     dst_pages, dst_aux = world.decode.take(args.pages, rng)
+    given: list[_PagePool] = []
+    try:
+        return _run_request(world, room, rng, src_pages, src_aux, dst_pages, dst_aux, given)
+    finally:
+        # A harness error must not starve the other requests of pages.
+        if world.prefill not in given:
+            world.prefill.give(src_pages, src_aux)
+        if world.decode not in given:
+            world.decode.give(dst_pages, dst_aux)
+
+
+def _run_request(
+    world: _World,
+    room: int,
+    rng: random.Random,
+    src_pages: list[int],
+    src_aux: int,
+    dst_pages: list[int],
+    dst_aux: int,
+    given: list[_PagePool],
+) -> RequestResult:
+    args = world.args
+    sb, rb = world.send_backend, world.recv_backend
     if world.check_data:
         # Per-request aux metadata: the room id and a random tag.
         world.tensors["prefill_aux"][src_aux, :2] = _aux_words(room, rng)
@@ -352,7 +374,7 @@ def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
         result.status_handle_mismatches = int(world.sender.status(room) != send.state) + int(
             world.receiver.status(room) != recv.state
         )
-        _release(world, result, send, recv, src_pages, src_aux, dst_pages, dst_aux)
+        _release(world, result, send, recv, src_pages, src_aux, dst_pages, dst_aux, given)
     finally:
         world.ends.forget(room)
     return result
@@ -395,6 +417,7 @@ def _release(
     src_aux: int,
     dst_pages: list[int],
     dst_aux: int,
+    given: list[_PagePool],
 ) -> None:
     from .backends.local import LocalBackend
 
@@ -415,6 +438,7 @@ def _release(
         if not safe or not handle.release_safe or in_flight:
             result.released_before_safe += 1
         pool.give(pages, slot)
+        given.append(pool)
     if args.inject_bug == "leave-open" and result.room == 0:
         return
     if isinstance(rb, LocalBackend) and rb.writes_landed(recv) != landed:
@@ -496,8 +520,14 @@ def _make_world(args: argparse.Namespace) -> _World:
     )  # fmt: skip
 
 
-def simulate(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> dict[str, Any]:
-    """Run the simulation described by `args` (see `configure`); print and return the summary."""
+def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
+    """Run the simulation described by `args` (see `configure`); print and return the summary.
+
+    The summary goes to `out` (default stdout), the progress bar to `err`
+    (default stderr).
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     if args.inject_bug == "early-release":
         args.abort_rate = max(args.abort_rate, 0.5)
     world = _make_world(args)

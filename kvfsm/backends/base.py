@@ -475,8 +475,10 @@ class KVBackend(abc.ABC):
                     )
                 aux = check_pages(handle.room, [aux_index], self.pools.num_aux_slots, "aux_index")[0]
         except TransferInputError as exc:
-            self._reject(handle, exc.problem)
-        return checked, aux
+            problem = exc.problem
+        else:
+            return checked, aux
+        self._reject(handle, problem)
 
     def _reject(self, handle: TransferHandle, problem: str) -> NoReturn:
         """Fail the room (if live) with `problem` and raise `TransferInputError`."""
