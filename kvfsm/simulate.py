@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     import torch
 
     from .backends.base import KVBackend
+    from .backends.local import LocalBackend
 
 __all__ = [
     "configure",
@@ -255,6 +256,8 @@ class _World:
     tensors: dict[str, Any]
     check_data: bool
     peers_linked: bool = True
+    #: The receiver endpoint when it counts the copies landing in each room's pages.
+    audit: LocalBackend | None = None
     lock: threading.Lock = attrs.Factory(threading.Lock)
     corrupted: bool = False
 
@@ -360,6 +363,10 @@ def _run_request(
                 sb.send(send, part, last=last, aux_index=src_aux if last else None)
         maybe_abort()  # races the copy of the last chunk
         _wait_terminal((send, recv), event, limit=60.0)
+        # Handles are read without the managers' locks; passing through each
+        # lock once makes sure the transition we saw has finished writing.
+        world.sender.check_deadlines()
+        world.receiver.check_deadlines()
         result = RequestResult(
             room,
             send.state,
@@ -419,20 +426,18 @@ def _release(
     dst_aux: int,
     given: list[_PagePool],
 ) -> None:
-    from .backends.local import LocalBackend
-
     args = world.args
-    rb = world.recv_backend
+    audit = world.audit
     early = args.inject_bug == "early-release"
     landed = 0
     for handle, pool, pages, slot, backend in (
-        (recv, world.decode, dst_pages, dst_aux, rb),
+        (recv, world.decode, dst_pages, dst_aux, world.recv_backend),
         (send, world.prefill, src_pages, src_aux, world.send_backend),
     ):
         safe = early or _wait_release_safe(handle, limit=30.0)
-        if isinstance(backend, LocalBackend) and backend is rb:
-            in_flight = backend.in_flight(handle)
-            landed = backend.writes_landed(handle)
+        if audit is not None and backend is audit:
+            in_flight = audit.in_flight(handle)
+            landed = audit.writes_landed(handle)
         else:
             in_flight = 0
         if not safe or not handle.release_safe or in_flight:
@@ -441,7 +446,7 @@ def _release(
         given.append(pool)
     if args.inject_bug == "leave-open" and result.room == 0:
         return
-    if isinstance(rb, LocalBackend) and rb.writes_landed(recv) != landed:
+    if audit is not None and audit.writes_landed(recv) != landed:
         result.released_before_safe += 1  # a copy landed between release and close
     world.sender.close(send.room)
     world.receiver.close(recv.room)
@@ -466,7 +471,7 @@ def _make_world(args: argparse.Namespace) -> _World:
         recv_backend: KVBackend = backend_cls(receiver)
         return _World(
             args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
-            _PagePool(pool_pages, slots), _Ends(), tensors, check_data=False,
+            _PagePool(pool_pages, slots), _Ends(), tensors, check_data=False, peers_linked=False,
         )  # fmt: skip
     import torch
 
@@ -517,6 +522,7 @@ def _make_world(args: argparse.Namespace) -> _World:
     return _World(
         args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
         _PagePool(pool_pages, slots), _Ends(), tensors, check_data=True,
+        audit=recv_backend if isinstance(recv_backend, LocalBackend) else None,
     )  # fmt: skip
 
 
@@ -581,10 +587,8 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
 
 def _late_writes(world: _World) -> int:
     """Copies that landed in a room's decode pages after the harness released them."""
-    from .backends.local import LocalBackend
-
-    backend = world.recv_backend
-    if not isinstance(backend, LocalBackend):
+    backend = world.audit
+    if backend is None:
         return 0
     # Closing a room drops its audit entry; any entry left belongs to a room
     # some copy wrote into after it was closed.

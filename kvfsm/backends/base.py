@@ -17,6 +17,11 @@ each room. The split is strict:
   for that room and calls `handle.writes_drained()` once none of its writes
   into the room's pages can still land (immediately if nothing was in
   flight). That opens the release gate.
+* Notices reach observers after the manager's lock is released, on
+  whichever thread is dispatching, so `_stop` can run a little after the
+  room failed. An adapter that fails a room itself calls
+  `self._fail(handle, reason)`, which also stops the room's work before it
+  returns, and it checks `handle.state` before committing a transfer.
 
 One `KVBackend` instance is one endpoint: one role (its manager's) in one
 process. A prefill endpoint and a decode endpoint find each other through
@@ -491,6 +496,18 @@ class KVBackend(abc.ABC):
         return self._rooms.get(room)
 
     # -- the core's side: failures and closes reach the adapter -----------------------------
+
+    def _fail(self, handle: TransferHandle, reason: FailureReason) -> bool:
+        """Fail `handle` (an event, like any) and stop its work before returning.
+
+        Use this, not `handle.fail`, when the adapter itself detects the
+        failure: the manager's notice may be delivered later by another
+        thread, and the adapter must not go on writing meanwhile.
+        """
+        changed = handle.fail(reason)
+        if handle.state is KVPoll.Failed and self._rooms.get(handle.room) is handle:
+            self._stop_once(handle)
+        return changed
 
     def _stop_once(self, handle: TransferHandle) -> None:
         key = (handle.room, handle.generation)

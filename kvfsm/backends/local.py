@@ -45,8 +45,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import ClassVar
 
 import attrs
@@ -432,8 +433,14 @@ class LocalBackend(KVBackend):
                 link.sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the local backend was closed"))
 
     def _work(self, link: _Link) -> None:
-        """Run a room's queued chunks in order until its queue is empty."""
+        """Run a room's queued chunks in order until its queue is empty.
+
+        A chunk counts as in flight from the moment it is taken off the queue
+        until its writes landed; its events are emitted after that, so a room
+        that reads Success or drained never has a copy of its own running.
+        """
         while True:
+            self._stop_if_failed(link)
             with link.lock:
                 if link.cancelled and link.linger_left <= 0:
                     link.queue.clear()
@@ -448,19 +455,37 @@ class LocalBackend(KVBackend):
                     link.linger_left -= 1
                 chunk = link.queue.popleft()
                 link.in_flight += 1
+            events: list[Callable[[], object]] = []
             try:
-                self._run_chunk(link, chunk, lingering)
+                events = self._run_chunk(link, chunk, lingering)
             except Exception as exc:  # a real copy error fails the room, it never kills the worker
                 logger.exception("kvfsm local: chunk %d of room %r failed", chunk.index, link.room)
-                if link.sender is not None:
-                    link.sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunk.index}: {exc}"))
+                failure = FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunk.index}: {exc}")
+                events = [partial(self._fail_sender, link, failure)]
             finally:
                 with link.lock:
                     link.in_flight -= 1
+            for emit in events:
+                emit()
         if drain:
             self._report_drained(link)
 
-    def _run_chunk(self, link: _Link, chunk: _Chunk, lingering: bool) -> None:
+    def _fail_sender(self, link: _Link, reason: FailureReason) -> None:
+        if link.sender is not None:
+            self._fail(link.sender, reason)
+
+    def _stop_if_failed(self, link: _Link) -> None:
+        """Cancel the link now if a side failed whose notice has not reached `_stop` yet."""
+        if link.cancelled:
+            return
+        receiver_ep = link.receiver_ep
+        for handle, endpoint in ((link.sender, self), (link.receiver, receiver_ep)):
+            if handle is not None and endpoint is not None and handle.state is KVPoll.Failed:
+                endpoint._stop_once(handle)
+                return
+
+    def _run_chunk(self, link: _Link, chunk: _Chunk, lingering: bool) -> list[Callable[[], object]]:
+        """Copy one chunk; return the events to emit once it is no longer in flight."""
         faults = self.faults
         if faults.delay_s:
             time.sleep(faults.delay_s)
@@ -479,22 +504,27 @@ class LocalBackend(KVBackend):
             link.copier.copy(chunk.src[:half], chunk.dst[:half])
             self._synchronize()
             receiver_ep._note_write(receiver)
-            sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {chunk.index}"))
-            return
+            reason = FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {chunk.index}")
+            return [partial(self._fail_sender, link, reason)]
         nbytes = link.copier.copy(chunk.src, chunk.dst)
         if chunk.last:
             self._commit(link, chunk)
         self._synchronize()
         receiver_ep._note_write(receiver)
-        sender.chunk_done(nbytes, last=chunk.last)
-        receiver.chunk_done(nbytes, last=chunk.last)
-        if chunk.last and not lingering:
+        last = chunk.last
+        events: list[Callable[[], object]] = [
+            lambda: sender.chunk_done(nbytes, last=last),
+            lambda: receiver.chunk_done(nbytes, last=last),
+        ]
+        if last and not lingering:
             problem = receiver_ep._check_marker(link)
             if problem is not None:
-                receiver.fail(FailureReason(FailureKind.TRANSFER_ERROR, problem))
-                return
-            receiver.transfer_done()
-            sender.transfer_done()
+                failure = FailureReason(FailureKind.TRANSFER_ERROR, problem)
+                events.append(partial(receiver_ep._fail, receiver, failure))
+            else:
+                events.append(receiver.transfer_done)
+                events.append(sender.transfer_done)
+        return events
 
     def _commit(self, link: _Link, chunk: _Chunk) -> None:
         """Copy the aux slot, then write the commit marker: always the last write."""

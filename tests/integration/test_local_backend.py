@@ -475,3 +475,34 @@ def test_cuda_pools_copy_bit_exactly() -> None:
         finish(pair, send, recv)
         assert recv.state is KVPoll.Success
         assert pair.same_pages([7, 3, 0, 30], [1, 2, 9, 4])
+
+
+def test_a_failure_the_backend_reports_stops_the_room_even_while_notices_are_held_up() -> None:
+    # Observers run on whichever thread dispatches; while one is busy, the
+    # backend's own notice waits. The backend must stop the room anyway, or
+    # the receiver would "succeed" with a half-written chunk.
+    release = threading.Event()
+    held = threading.Event()
+    with local_pair(faults=Faults(fail_rate=1.0)) as pair:
+
+        def slow_observer(change: kvfsm.StateChange) -> None:
+            if change.room == "hold" and change.event == "open":
+                held.set()
+                release.wait(10)
+
+        pair.sender.subscribe(slow_observer)
+        holder = threading.Thread(target=pair.sender.open, args=("hold",))
+        holder.start()
+        try:
+            assert held.wait(10)
+            send, recv = pair.open(1)
+            pair.rb.expect(recv, [1, 2, 3, 4])
+            pair.sb.send(send, [5, 6])
+            pair.sb.send(send, [7, 8], last=True)
+            finish(pair, send, recv)
+            assert send.state is KVPoll.Failed
+            assert recv.state is KVPoll.Failed
+            assert pair.rb.writes_landed(recv) == 1  # only the failed chunk's half
+        finally:
+            release.set()
+            holder.join()

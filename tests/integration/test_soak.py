@@ -30,9 +30,11 @@ def test_soak_keeps_every_verification_at_zero(backend: str) -> None:
     summary = simulate(args, out=io.StringIO(), err=io.StringIO())
     assert summary["verification"] == dict.fromkeys(summary["verification"], 0)
     assert summary["ok"]
-    finals = summary["final_states"]["receiver"]
+    # A fake receiver succeeds as soon as it posts its pages; the sender side shows the aborts.
+    finals = summary["final_states"]["receiver" if backend == "local" else "sender"]
     assert sum(finals.values()) == args.requests
     assert finals["Failed"] > args.requests * 0.1  # aborts really raced the transfers
     assert finals["Success"] > args.requests * 0.5
     if backend == "local":
         assert summary["pages_checked"] == 4 * finals["Success"]
+        assert summary["metrics"]["receiver"]["closed"] == args.requests
