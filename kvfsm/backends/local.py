@@ -211,6 +211,8 @@ class LocalBackend(KVBackend):
         self.fabric = DEFAULT_FABRIC if fabric is None else fabric
         self.faults = faults
         self._rng = random.Random(faults.seed)
+        # Faults drawn or timed per chunk need chunks one at a time.
+        self._per_chunk_faults = bool(faults.fail_rate or faults.delay_s)
         self._rng_lock = threading.Lock()
         self._direct_bytes = direct_bytes
         self._batch_bytes = batch_bytes
@@ -435,9 +437,11 @@ class LocalBackend(KVBackend):
     def _work(self, link: _Link) -> None:
         """Run a room's queued chunks in order until its queue is empty.
 
-        A chunk counts as in flight from the moment it is taken off the queue
-        until its writes landed; its events are emitted after that, so a room
-        that reads Success or drained never has a copy of its own running.
+        Chunks count as in flight from the moment they are taken off the
+        queue until their writes landed; their events are emitted after that,
+        so a room that reads Success or drained never has a copy of its own
+        running. Everything queued is taken at once (one copy call) unless
+        faults act per chunk or the room is lingering after a failure.
         """
         while True:
             self._stop_if_failed(link)
@@ -453,14 +457,18 @@ class LocalBackend(KVBackend):
                 lingering = link.cancelled
                 if lingering:
                     link.linger_left -= 1
-                chunk = link.queue.popleft()
+                if lingering or self._per_chunk_faults:
+                    chunks = [link.queue.popleft()]
+                else:
+                    chunks = list(link.queue)
+                    link.queue.clear()
                 link.in_flight += 1
             events: list[Callable[[], object]] = []
             try:
-                events = self._run_chunk(link, chunk, lingering)
+                events = self._run_chunks(link, chunks, lingering)
             except Exception as exc:  # a real copy error fails the room, it never kills the worker
-                logger.exception("kvfsm local: chunk %d of room %r failed", chunk.index, link.room)
-                failure = FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunk.index}: {exc}")
+                logger.exception("kvfsm local: chunk %d of room %r failed", chunks[0].index, link.room)
+                failure = FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunks[0].index}: {exc}")
                 events = [partial(self._fail_sender, link, failure)]
             finally:
                 with link.lock:
@@ -484,8 +492,13 @@ class LocalBackend(KVBackend):
                 endpoint._stop_once(handle)
                 return
 
-    def _run_chunk(self, link: _Link, chunk: _Chunk, lingering: bool) -> list[Callable[[], object]]:
-        """Copy one chunk; return the events to emit once it is no longer in flight."""
+    def _run_chunks(self, link: _Link, chunks: list[_Chunk], lingering: bool) -> list[Callable[[], object]]:
+        """Copy queued chunks of one room as one batch; return the events to emit after.
+
+        Chunks that were already queued together are copied in one
+        `PageCopier` call (fewer kernel launches, runs across chunk borders
+        merge); each still gets its own `chunk_done`, in order.
+        """
         faults = self.faults
         if faults.delay_s:
             time.sleep(faults.delay_s)
@@ -499,24 +512,32 @@ class LocalBackend(KVBackend):
         assert receiver_ep is not None
         if not lingering and receiver.state is KVPoll.WaitingForInput:
             receiver.transfer_started()
+        first = chunks[0]
         if faults.fail_rate and not lingering and self._draw() < faults.fail_rate:
-            half = len(chunk.src) // 2
-            link.copier.copy(chunk.src[:half], chunk.dst[:half])
+            half = len(first.src) // 2
+            link.copier.copy(first.src[:half], first.dst[:half])
             self._synchronize()
             receiver_ep._note_write(receiver)
-            reason = FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {chunk.index}")
+            reason = FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {first.index}")
             return [partial(self._fail_sender, link, reason)]
-        nbytes = link.copier.copy(chunk.src, chunk.dst)
-        if chunk.last:
-            self._commit(link, chunk)
+        if len(chunks) == 1:
+            link.copier.copy(first.src, first.dst)
+        else:
+            link.copier.copy(
+                [page for chunk in chunks for page in chunk.src], [page for chunk in chunks for page in chunk.dst]
+            )
+        final = chunks[-1]
+        if final.last:
+            self._commit(link, final)
         self._synchronize()
         receiver_ep._note_write(receiver)
-        last = chunk.last
-        events: list[Callable[[], object]] = [
-            lambda: sender.chunk_done(nbytes, last=last),
-            lambda: receiver.chunk_done(nbytes, last=last),
-        ]
-        if last and not lingering:
+        page_nbytes = link.copier.page_nbytes
+        events: list[Callable[[], object]] = []
+        for chunk in chunks:
+            nbytes = len(chunk.src) * page_nbytes
+            events.append(partial(sender.chunk_done, nbytes, last=chunk.last))
+            events.append(partial(receiver.chunk_done, nbytes, last=chunk.last))
+        if final.last and not lingering:
             problem = receiver_ep._check_marker(link)
             if problem is not None:
                 failure = FailureReason(FailureKind.TRANSFER_ERROR, problem)
