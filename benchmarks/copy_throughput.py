@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -43,7 +44,7 @@ PAGES_PER_ROOM = 32
 CHUNKS = 4
 
 
-def timed(fn: Callable[[], None], device: torch.device) -> float:
+def timed(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -122,7 +123,7 @@ class Bench:
             handles.append((send, recv))
 
         def transfer() -> None:
-            for (room, room_src, _), (send, _recv) in zip(rooms, handles, strict=True):
+            for (_room, room_src, _), (send, _recv) in zip(rooms, handles, strict=True):
                 step = -(-len(room_src) // CHUNKS)
                 for index in range(CHUNKS):
                     part = room_src[index * step : (index + 1) * step]
@@ -185,8 +186,8 @@ def main() -> None:
         try:
             for pattern in ("scattered", "runs"):
                 src, dst = pick(bench.pool_pages, bench.moved_pages, pattern, rng)
-                copier, bound = ratio(bench, lambda src=src, dst=dst: bench.copier_run(src, dst), args.reps)
-                backend, _ = ratio(bench, lambda src=src, dst=dst: bench.backend_run(src, dst), args.reps)
+                copier, bound = ratio(bench, partial(bench.copier_run, src, dst), args.reps)
+                backend, _ = ratio(bench, partial(bench.backend_run, src, dst), args.reps)
                 if not torch.equal(bench.dst_k[:, dst], bench.src_k[:, src]):
                     raise RuntimeError("copied pages differ from their source")
                 label = f"{page_bytes >> 10} KiB"

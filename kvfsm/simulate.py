@@ -90,7 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=sorted(BACKENDS), default="local", help="transfer engine (default: %(default)s)"
     )
-    parser.add_argument("--requests", type=_positive_int, default=2000, help="transfers to run (default: %(default)s)")
+    parser.add_argument("--requests", type=_positive_int, default=1000, help="transfers to run (default: %(default)s)")
     parser.add_argument(
         "--page-size",
         type=_positive_int,
@@ -703,7 +703,7 @@ def print_summary(summary: dict[str, Any], out: TextIO) -> None:
     rows.append(("pages checked", str(summary["pages_checked"])))
     rows.append(("late events absorbed", str(summary["late_events"])))
     rows.append(("sides disagree (race)", str(summary["sides_disagree"])))
-    width = max(len(k) for k, _ in rows)
+    width = max(max(len(k) for k, _ in rows), max(len(k) for k in summary["verification"]))
     out.write("\nSummary\n")
     for key, value in rows:
         out.write(f"  {key:<{width}}  {value}\n")
