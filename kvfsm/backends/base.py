@@ -427,9 +427,19 @@ class KVBackend(abc.ABC):
         self._send(handle, checked, bool(last), aux)
 
     def close(self) -> None:
-        """Stop observing the manager and release the engine. Idempotent."""
+        """Fail the rooms still in flight here, stop observing, release the engine. Idempotent.
+
+        A room this endpoint was moving cannot progress once it is closed, so
+        it fails now (`TRANSFER_ERROR`) instead of waiting for a deadline;
+        its drain is reported as usual.
+        """
         if self._closed:
             return
+        with self._rooms_lock:
+            live = [h for h in self._rooms.values() if not h.closed and not h.is_terminal]
+        reason = FailureReason(FailureKind.TRANSFER_ERROR, f"the {self.name} backend at {self.address} was closed")
+        for handle in live:
+            self._fail(handle, reason)
         self._closed = True
         self._unsubscribe()
         self._shutdown()

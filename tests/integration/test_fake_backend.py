@@ -96,10 +96,18 @@ def test_sender_that_never_sends_hits_the_waiting_deadline() -> None:
     assert send.release_safe
 
 
-def test_closing_the_backend_stops_observing() -> None:
+def test_closing_the_backend_fails_its_live_rooms() -> None:
     sender, sb, _receiver, _rb = endpoints()
-    send = sender.open(1)
-    sb.bootstrap(send, sb.address)
+    live, done = sender.open(1), sender.open(2)
+    for handle in (live, done):
+        sb.bootstrap(handle, sb.address)
+    sb.send(done, [1], last=True)
     sb.close()
-    send.abort()
-    assert not send.release_safe  # nobody reports drained any more: the drain deadline decides
+    assert live.state is KVPoll.Failed
+    assert live.reason is not None
+    assert "was closed" in live.reason.message
+    assert live.release_safe  # nothing was in flight
+    assert done.state is KVPoll.Success
+    later = sender.open(3)
+    later.abort()
+    assert not later.release_safe  # nobody observes any more: only the drain deadline frees it

@@ -9,7 +9,7 @@ import torch
 
 import kvfsm
 from kvfsm import FailureKind, KVPoll
-from kvfsm.backends import TransferInputError
+from kvfsm.backends import FakeBackend, TransferInputError
 from kvfsm.backends.local import Faults, room_key
 from tests.helpers import FakeClock
 
@@ -293,19 +293,40 @@ def test_release_gate_peer_keeps_writing_after_abort() -> None:
         assert pair.rb.writes_landed(recv) == landed  # nothing lands after release-safe
 
 
-def test_drain_deadline_releases_when_a_peer_never_drains() -> None:
-    clock = FakeClock()
-    timeouts = kvfsm.Timeouts(drain=5.0)
-    with local_pair(timeouts=timeouts, clock=clock) as pair:
-        _send, recv = pair.open(13)
+def test_closing_an_endpoint_fails_its_rooms_and_their_peers() -> None:
+    with local_pair() as pair:
+        send, recv = pair.open(13)
         pair.rb.expect(recv, [1])
-        pair.rb.close()  # the receiver endpoint is gone: nobody reports drained for it
-        pair.sb.close()
-        recv.abort("after the backends closed")
-        assert not pair.receiver.release_safe(13)
-        clock.advance(5.1)
-        assert pair.receiver.release_safe(13)
-        assert pair.receiver.stats.drain_deadline_releases == 1
+        pair.rb.close()
+        assert recv.state is KVPoll.Failed
+        assert recv.reason is not None
+        assert "local backend" in recv.reason.message
+        wait_until(lambda: send.is_terminal, "the sender to learn")
+        assert send.reason is not None
+        assert send.reason.from_peer
+        wait_until(lambda: send.release_safe and recv.release_safe, "drain")
+
+
+class SilentBackend(FakeBackend):
+    """Never reports writes drained: a peer that went away mid-write."""
+
+    def _stop(self, handle: kvfsm.TransferHandle) -> None:
+        return
+
+
+def test_drain_deadline_releases_when_a_backend_never_drains() -> None:
+    clock = FakeClock()
+    manager = kvfsm.TransferManager("receiver", timeouts=kvfsm.Timeouts(drain=5.0), clock=clock)
+    backend = SilentBackend(manager)
+    recv = manager.open(1)
+    backend.bootstrap(recv, backend.address)
+    recv.abort("client went away")
+    assert not manager.release_safe(1)
+    clock.advance(4.9)
+    assert not manager.release_safe(1)
+    clock.advance(0.2)
+    assert manager.release_safe(1)
+    assert manager.stats.drain_deadline_releases == 1
 
 
 # -- bad input ------------------------------------------------------------------------------------
