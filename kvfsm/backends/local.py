@@ -44,6 +44,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -221,7 +222,9 @@ class LocalBackend(KVBackend):
         self._views: list[torch.Tensor] = []
         self._aux_views: list[torch.Tensor] = []
         self._markers: torch.Tensor | None = None
-        self._copiers: dict[int, PageCopier] = {}
+        # Weak keys: a closed receiver endpoint must not leave a copier behind
+        # that a new endpoint could be mistaken for.
+        self._copiers: weakref.WeakKeyDictionary[LocalBackend, PageCopier] = weakref.WeakKeyDictionary()
         self._audit: dict[tuple[Hashable, int], int] | None = {} if audit else None
         self._pool = (
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvfsm-local")
@@ -253,11 +256,10 @@ class LocalBackend(KVBackend):
             self._markers = torch.full((pools.num_aux_slots, 2), -1, dtype=torch.int64, device=self._views[0].device)
 
     def _copier_for(self, receiver_ep: LocalBackend) -> PageCopier:
-        key = id(receiver_ep)
         with self._lock:
-            copier = self._copiers.get(key)
+            copier = self._copiers.get(receiver_ep)
             if copier is None:
-                copier = self._copiers[key] = PageCopier(
+                copier = self._copiers[receiver_ep] = PageCopier(
                     list(zip(self._views, receiver_ep._views, strict=True)),
                     direct_bytes=self._direct_bytes,
                     batch_bytes=self._batch_bytes,
