@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     import torch
 
     from .backends.base import KVBackend
+    from .backends.local import LocalBackend
 
 __all__ = [
     "configure",
@@ -89,7 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=sorted(BACKENDS), default="local", help="transfer engine (default: %(default)s)"
     )
-    parser.add_argument("--requests", type=_positive_int, default=2000, help="transfers to run (default: %(default)s)")
+    parser.add_argument("--requests", type=_positive_int, default=1000, help="transfers to run (default: %(default)s)")
     parser.add_argument(
         "--page-size",
         type=_positive_int,
@@ -255,6 +256,8 @@ class _World:
     tensors: dict[str, Any]
     check_data: bool
     peers_linked: bool = True
+    #: The receiver endpoint when it counts the copies landing in each room's pages.
+    audit: LocalBackend | None = None
     lock: threading.Lock = attrs.Factory(threading.Lock)
     corrupted: bool = False
 
@@ -291,9 +294,31 @@ def _wait_release_safe(handle: TransferHandle, limit: float) -> bool:
 
 def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
     args = world.args
-    sb, rb = world.send_backend, world.recv_backend
     src_pages, src_aux = world.prefill.take(args.pages, rng)
     dst_pages, dst_aux = world.decode.take(args.pages, rng)
+    given: list[_PagePool] = []
+    try:
+        return _run_request(world, room, rng, src_pages, src_aux, dst_pages, dst_aux, given)
+    finally:
+        # A harness error must not starve the other requests of pages.
+        if world.prefill not in given:
+            world.prefill.give(src_pages, src_aux)
+        if world.decode not in given:
+            world.decode.give(dst_pages, dst_aux)
+
+
+def _run_request(
+    world: _World,
+    room: int,
+    rng: random.Random,
+    src_pages: list[int],
+    src_aux: int,
+    dst_pages: list[int],
+    dst_aux: int,
+    given: list[_PagePool],
+) -> RequestResult:
+    args = world.args
+    sb, rb = world.send_backend, world.recv_backend
     if world.check_data:
         # Per-request aux metadata: the room id and a random tag.
         world.tensors["prefill_aux"][src_aux, :2] = _aux_words(room, rng)
@@ -338,6 +363,10 @@ def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
                 sb.send(send, part, last=last, aux_index=src_aux if last else None)
         maybe_abort()  # races the copy of the last chunk
         _wait_terminal((send, recv), event, limit=60.0)
+        # Handles are read without the managers' locks; passing through each
+        # lock once makes sure the transition we saw has finished writing.
+        world.sender.check_deadlines()
+        world.receiver.check_deadlines()
         result = RequestResult(
             room,
             send.state,
@@ -352,7 +381,7 @@ def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
         result.status_handle_mismatches = int(world.sender.status(room) != send.state) + int(
             world.receiver.status(room) != recv.state
         )
-        _release(world, result, send, recv, src_pages, src_aux, dst_pages, dst_aux)
+        _release(world, result, send, recv, src_pages, src_aux, dst_pages, dst_aux, given)
     finally:
         world.ends.forget(room)
     return result
@@ -395,29 +424,29 @@ def _release(
     src_aux: int,
     dst_pages: list[int],
     dst_aux: int,
+    given: list[_PagePool],
 ) -> None:
-    from .backends.local import LocalBackend
-
     args = world.args
-    rb = world.recv_backend
+    audit = world.audit
     early = args.inject_bug == "early-release"
     landed = 0
     for handle, pool, pages, slot, backend in (
-        (recv, world.decode, dst_pages, dst_aux, rb),
+        (recv, world.decode, dst_pages, dst_aux, world.recv_backend),
         (send, world.prefill, src_pages, src_aux, world.send_backend),
     ):
         safe = early or _wait_release_safe(handle, limit=30.0)
-        if isinstance(backend, LocalBackend) and backend is rb:
-            in_flight = backend.in_flight(handle)
-            landed = backend.writes_landed(handle)
+        if audit is not None and backend is audit:
+            in_flight = audit.in_flight(handle)
+            landed = audit.writes_landed(handle)
         else:
             in_flight = 0
         if not safe or not handle.release_safe or in_flight:
             result.released_before_safe += 1
         pool.give(pages, slot)
+        given.append(pool)
     if args.inject_bug == "leave-open" and result.room == 0:
         return
-    if isinstance(rb, LocalBackend) and rb.writes_landed(recv) != landed:
+    if audit is not None and audit.writes_landed(recv) != landed:
         result.released_before_safe += 1  # a copy landed between release and close
     world.sender.close(send.room)
     world.receiver.close(recv.room)
@@ -442,7 +471,7 @@ def _make_world(args: argparse.Namespace) -> _World:
         recv_backend: KVBackend = backend_cls(receiver)
         return _World(
             args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
-            _PagePool(pool_pages, slots), _Ends(), tensors, check_data=False,
+            _PagePool(pool_pages, slots), _Ends(), tensors, check_data=False, peers_linked=False,
         )  # fmt: skip
     import torch
 
@@ -493,11 +522,18 @@ def _make_world(args: argparse.Namespace) -> _World:
     return _World(
         args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
         _PagePool(pool_pages, slots), _Ends(), tensors, check_data=True,
+        audit=recv_backend if isinstance(recv_backend, LocalBackend) else None,
     )  # fmt: skip
 
 
-def simulate(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> dict[str, Any]:
-    """Run the simulation described by `args` (see `configure`); print and return the summary."""
+def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
+    """Run the simulation described by `args` (see `configure`); print and return the summary.
+
+    The summary goes to `out` (default stdout), the progress bar to `err`
+    (default stderr).
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     if args.inject_bug == "early-release":
         args.abort_rate = max(args.abort_rate, 0.5)
     world = _make_world(args)
@@ -551,10 +587,8 @@ def simulate(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
 
 def _late_writes(world: _World) -> int:
     """Copies that landed in a room's decode pages after the harness released them."""
-    from .backends.local import LocalBackend
-
-    backend = world.recv_backend
-    if not isinstance(backend, LocalBackend):
+    backend = world.audit
+    if backend is None:
         return 0
     # Closing a room drops its audit entry; any entry left belongs to a room
     # some copy wrote into after it was closed.
@@ -669,7 +703,7 @@ def print_summary(summary: dict[str, Any], out: TextIO) -> None:
     rows.append(("pages checked", str(summary["pages_checked"])))
     rows.append(("late events absorbed", str(summary["late_events"])))
     rows.append(("sides disagree (race)", str(summary["sides_disagree"])))
-    width = max(len(k) for k, _ in rows)
+    width = max(max(len(k) for k, _ in rows), max(len(k) for k in summary["verification"]))
     out.write("\nSummary\n")
     for key, value in rows:
         out.write(f"  {key:<{width}}  {value}\n")

@@ -20,7 +20,9 @@ SLOTS = 4
 ROW = 64  # bfloat16 elements per page per region: 128 bytes
 
 
-def make_pools(fill: bool, *, pages: int = PAGES, row: int = ROW, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def make_pools(
+    fill: bool, *, pages: int = PAGES, row: int = ROW, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
     """K and V as [layers, pages, row] tensors of a 2-byte `dtype`, plus aux slots."""
     shape = (LAYERS, pages, row)
     if fill:
@@ -66,13 +68,15 @@ class LocalPair:
 @contextmanager
 def local_pair(
     *,
-    faults: Faults = Faults(),
-    timeouts: kvfsm.Timeouts = kvfsm.Timeouts(),
+    faults: Faults | None = None,
+    timeouts: kvfsm.Timeouts | None = None,
     clock: Callable[[], float] = time.monotonic,
     workers: int = 2,
     src_pools: dict[str, Any] | None = None,
     dst_pools: dict[str, Any] | None = None,
 ) -> Iterator[LocalPair]:
+    faults = Faults() if faults is None else faults
+    timeouts = kvfsm.Timeouts() if timeouts is None else timeouts
     fabric = LocalFabric()
     sender = kvfsm.TransferManager("sender", timeouts=timeouts, clock=clock)
     receiver = kvfsm.TransferManager("receiver", timeouts=timeouts, clock=clock)

@@ -9,7 +9,7 @@ import torch
 
 import kvfsm
 from kvfsm import FailureKind, KVPoll
-from kvfsm.backends import TransferInputError
+from kvfsm.backends import FakeBackend, TransferInputError
 from kvfsm.backends.local import Faults, room_key
 from tests.helpers import FakeClock
 
@@ -31,13 +31,14 @@ def test_one_chunk_copies_pages_and_aux_bit_exactly() -> None:
         assert recv.state is KVPoll.WaitingForInput
         assert send.state is KVPoll.Bootstrapping  # until the receiver posts its pages
         pair.rb.expect(recv, [3, 4, 20], aux_index=1)
-        assert send.state is KVPoll.WaitingForInput
+        assert send.poll() is KVPoll.WaitingForInput
         pair.sb.send(send, [10, 2, 30], last=True, aux_index=2)
         finish(pair, send, recv)
         assert (send.state, recv.state) == (KVPoll.Success, KVPoll.Success)
         assert pair.same_pages([10, 2, 30], [3, 4, 20])
         assert torch.equal(pair.dst["aux"][1], pair.src["aux"][2])
-        page_bytes = pair.rb.pools.page_nbytes  # type: ignore[union-attr]
+        assert pair.rb.pools is not None
+        page_bytes = pair.rb.pools.page_nbytes
         assert recv.nbytes == send.nbytes == 3 * page_bytes
         assert recv.transfer_latency is not None
         assert recv.release_safe
@@ -88,7 +89,7 @@ def test_room_id_reuse_after_close_and_many_rooms_in_parallel() -> None:
     with local_pair(workers=3) as pair:
         for generation in range(2):
             rooms = {room: pair.open(room) for room in range(6)}
-            for room, (send, recv) in rooms.items():
+            for room, (_send, recv) in rooms.items():
                 pair.rb.expect(recv, [room * 5 + i for i in range(5)], aux_index=room % 4)
             for part in range(2):
                 for room, (send, _) in rooms.items():
@@ -292,19 +293,40 @@ def test_release_gate_peer_keeps_writing_after_abort() -> None:
         assert pair.rb.writes_landed(recv) == landed  # nothing lands after release-safe
 
 
-def test_drain_deadline_releases_when_a_peer_never_drains() -> None:
-    clock = FakeClock()
-    timeouts = kvfsm.Timeouts(drain=5.0)
-    with local_pair(timeouts=timeouts, clock=clock) as pair:
+def test_closing_an_endpoint_fails_its_rooms_and_their_peers() -> None:
+    with local_pair() as pair:
         send, recv = pair.open(13)
         pair.rb.expect(recv, [1])
-        pair.rb.close()  # the receiver endpoint is gone: nobody reports drained for it
-        pair.sb.close()
-        recv.abort("after the backends closed")
-        assert not recv.release_safe
-        clock.advance(5.1)
-        assert recv.release_safe
-        assert pair.receiver.stats.drain_deadline_releases == 1
+        pair.rb.close()
+        assert recv.state is KVPoll.Failed
+        assert recv.reason is not None
+        assert "local backend" in recv.reason.message
+        wait_until(lambda: send.is_terminal, "the sender to learn")
+        assert send.reason is not None
+        assert send.reason.from_peer
+        wait_until(lambda: send.release_safe and recv.release_safe, "drain")
+
+
+class SilentBackend(FakeBackend):
+    """Never reports writes drained: a peer that went away mid-write."""
+
+    def _stop(self, handle: kvfsm.TransferHandle) -> None:
+        return
+
+
+def test_drain_deadline_releases_when_a_backend_never_drains() -> None:
+    clock = FakeClock()
+    manager = kvfsm.TransferManager("receiver", timeouts=kvfsm.Timeouts(drain=5.0), clock=clock)
+    backend = SilentBackend(manager)
+    recv = manager.open(1)
+    backend.bootstrap(recv, backend.address)
+    recv.abort("client went away")
+    assert not manager.release_safe(1)
+    clock.advance(4.9)
+    assert not manager.release_safe(1)
+    clock.advance(0.2)
+    assert manager.release_safe(1)
+    assert manager.stats.drain_deadline_releases == 1
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -327,7 +349,7 @@ def test_out_of_range_page_names_the_room_fails_it_and_touches_nothing() -> None
         assert all(torch.equal(before[n], pair.dst[n]) for n in before)
         pair.sb.send(other_send, [5, 6], last=True)
         finish(pair, other_send, other_recv)
-        assert other_recv.state is KVPoll.Success
+        assert other_recv.poll() is KVPoll.Success
 
 
 def test_source_page_out_of_range() -> None:
@@ -352,7 +374,7 @@ def test_source_page_out_of_range() -> None:
 )
 def test_page_lists_of_the_wrong_type(pages: object, match: str) -> None:
     with local_pair() as pair:
-        send, recv = pair.open(4)
+        _send, recv = pair.open(4)
         with pytest.raises(TransferInputError, match=match):
             pair.rb.expect(recv, pages)
         assert recv.state is KVPoll.Failed
@@ -363,7 +385,7 @@ def test_mismatched_page_counts_too_many_and_too_few() -> None:
         send, recv = pair.open(5)
         pair.rb.expect(recv, [1, 2, 3])
         pair.sb.send(send, [1, 2])
-        with pytest.raises(TransferInputError, match="mismatched page counts.*expects 3"):
+        with pytest.raises(TransferInputError, match=r"mismatched page counts.*expects 3"):
             pair.sb.send(send, [3, 4])
         assert send.state is KVPoll.Failed
         send2, recv2 = pair.open(6)
@@ -474,3 +496,34 @@ def test_cuda_pools_copy_bit_exactly() -> None:
         finish(pair, send, recv)
         assert recv.state is KVPoll.Success
         assert pair.same_pages([7, 3, 0, 30], [1, 2, 9, 4])
+
+
+def test_a_failure_the_backend_reports_stops_the_room_even_while_notices_are_held_up() -> None:
+    # Observers run on whichever thread dispatches; while one is busy, the
+    # backend's own notice waits. The backend must stop the room anyway, or
+    # the receiver would "succeed" with a half-written chunk.
+    release = threading.Event()
+    held = threading.Event()
+    with local_pair(faults=Faults(fail_rate=1.0)) as pair:
+
+        def slow_observer(change: kvfsm.StateChange) -> None:
+            if change.room == "hold" and change.event == "open":
+                held.set()
+                release.wait(10)
+
+        pair.sender.subscribe(slow_observer)
+        holder = threading.Thread(target=pair.sender.open, args=("hold",))
+        holder.start()
+        try:
+            assert held.wait(10)
+            send, recv = pair.open(1)
+            pair.rb.expect(recv, [1, 2, 3, 4])
+            pair.sb.send(send, [5, 6])
+            pair.sb.send(send, [7, 8], last=True)
+            finish(pair, send, recv)
+            assert send.state is KVPoll.Failed
+            assert recv.state is KVPoll.Failed
+            assert pair.rb.writes_landed(recv) == 1  # only the failed chunk's half
+        finally:
+            release.set()
+            holder.join()
