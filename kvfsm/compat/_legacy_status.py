@@ -25,11 +25,11 @@ old code reads and writes; every write goes through the manager.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from .._manager import TransferHandle
-from .._states import TERMINAL, KVPoll
+from .._states import TERMINAL, KVPoll, RoomId
 
 __all__ = ["FORWARD_EVENTS", "forward_events", "drive_to", "RequestStatusView", "FailureRecordsView"]
 
@@ -94,7 +94,7 @@ class _StatusWriter(Protocol):
 
     def close_room(self, bootstrap_room: int) -> KVPoll | None: ...
 
-    def open_rooms(self) -> list[Hashable]: ...
+    def open_rooms(self) -> list[RoomId]: ...
 
     def failure_message(self, bootstrap_room: int) -> str | None: ...
 

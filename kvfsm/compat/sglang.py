@@ -47,14 +47,14 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from .. import _errors
 from .._errors import ConfigError, DuplicateRoom, UnknownRoom
 from .._manager import TransferHandle, TransferManager
 from .._observe import StateChange
-from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
 from ._legacy_status import FailureRecordsView, RequestStatusView, drive_to
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class KVTransferError(_errors.KVTransferError):
     """
 
     @property
-    def bootstrap_room(self) -> Hashable:
+    def bootstrap_room(self) -> RoomId:
         return self.room
 
     @property
@@ -349,8 +349,8 @@ class KVManager:
         self.failure_lock = threading.Lock()
         self.late_updates = 0
         self._lock = threading.RLock()
-        self._pending_failures: dict[Hashable, FailureReason] = {}
-        self._closed: OrderedDict[Hashable, None] = OrderedDict()
+        self._pending_failures: dict[RoomId, FailureReason] = {}
+        self._closed: OrderedDict[RoomId, None] = OrderedDict()
         self._remember_closed = remember_closed
         self.orphans = _Orphanage(self.close_handle)
         #: The data-plane adapter (`kvfsm.backends`), built on this manager's rooms.
@@ -374,7 +374,7 @@ class KVManager:
 
     # -- rooms ------------------------------------------------------------------
 
-    def open_room(self, bootstrap_room: Hashable) -> TransferHandle:
+    def open_room(self, bootstrap_room: RoomId) -> TransferHandle:
         """Open a room for a new request and return its handle.
 
         A room id still open in a terminal state belongs to a finished
@@ -390,7 +390,7 @@ class KVManager:
         """Close the rooms of senders/receivers garbage-collected without `clear()`; how many."""
         return self.orphans.close_all()
 
-    def _open_locked(self, room: Hashable) -> TransferHandle:
+    def _open_locked(self, room: RoomId) -> TransferHandle:
         manager = self.transfer_manager
         try:
             handle = manager.open(room)
@@ -403,11 +403,11 @@ class KVManager:
         self._closed.pop(room, None)
         return handle
 
-    def handle(self, bootstrap_room: Hashable) -> TransferHandle:
+    def handle(self, bootstrap_room: RoomId) -> TransferHandle:
         """The open room's kvfsm handle, for backend code that emits events directly."""
         return self.transfer_manager.get(bootstrap_room)
 
-    def close_room(self, bootstrap_room: Hashable) -> KVPoll | None:
+    def close_room(self, bootstrap_room: RoomId) -> KVPoll | None:
         """Close the room (aborting it if still in flight); its final state, or None if not open."""
         with self._lock:
             try:
@@ -438,23 +438,23 @@ class KVManager:
                 self._closed.popitem(last=False)
         return handle.state
 
-    def _open_handle(self, room: Hashable) -> TransferHandle | None:
+    def _open_handle(self, room: RoomId) -> TransferHandle | None:
         try:
             return self.transfer_manager.get(room)
         except UnknownRoom:
             return None
 
-    def open_rooms(self) -> list[Hashable]:
+    def open_rooms(self) -> list[RoomId]:
         return [handle.room for handle in self.transfer_manager]
 
     # -- the legacy status surface ------------------------------------------------
 
-    def check_status(self, bootstrap_room: Hashable) -> KVPoll:
+    def check_status(self, bootstrap_room: RoomId) -> KVPoll:
         """The room's status; `kvfsm.UnknownRoom` (a `KeyError`) naming why if not open."""
         self.collect_orphans()
         return self.transfer_manager.status(bootstrap_room)
 
-    def update_status(self, bootstrap_room: Hashable, status: KVPoll | int) -> bool:
+    def update_status(self, bootstrap_room: RoomId, status: KVPoll | int) -> bool:
         """Apply an integer status write as lifecycle events; True if the room is now there.
 
         `Bootstrapping` (or any status) for a room never seen opens it, as
@@ -492,7 +492,7 @@ class KVManager:
 
     def record_failure(
         self,
-        bootstrap_room: Hashable,
+        bootstrap_room: RoomId,
         failure_reason: str,
         kind: FailureKind = FailureKind.TRANSFER_ERROR,
         from_peer: bool = False,
@@ -513,7 +513,7 @@ class KVManager:
                 return
             self._pending_failures[bootstrap_room] = reason
 
-    def failure_message(self, bootstrap_room: Hashable) -> str | None:
+    def failure_message(self, bootstrap_room: RoomId) -> str | None:
         """The failed room's reason as text (or the pending `record_failure` message)."""
         with self._lock:
             handle = self._open_handle(bootstrap_room)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -52,14 +50,3 @@ def test_cli_requires_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         main([])
     assert info.value.code == 2
     assert "COMMAND" in capsys.readouterr().err
-
-
-def test_cli_simulate_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "summary.json"
-    code = main(["simulate", "--requests", "200", "--no-progress", "--seed", "3", "--json", str(out)])
-    assert code == 0
-    assert "all checks passed" in capsys.readouterr().out
-    summary = json.loads(out.read_text())
-    assert summary["requests"] == 200
-    assert sum(summary["final_states"].values()) == 200
-    assert all(value == 0 for value in summary["verification"].values())
