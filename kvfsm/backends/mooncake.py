@@ -50,7 +50,7 @@ _STATUS = {1: "done", 0: "pending", -1: "failed", -2: "timeout"}
 
 def _import_engine() -> Any:
     try:
-        from mooncake.engine import TransferEngine
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError as exc:
         raise BackendError(
             "MooncakeBackend needs Mooncake Transfer Engine: pip install mooncake-transfer-engine-non-cuda "
@@ -214,7 +214,7 @@ class MooncakeBackend(RemoteBackend):
         mode: str = "poll",
         timeout_fails: bool = False,
     ) -> None:
-        self._engine_options = {
+        self._engine_options: dict[str, Any] = {
             "hostname": hostname,
             "protocol": protocol,
             "device_name": device_name,

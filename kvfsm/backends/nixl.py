@@ -50,7 +50,7 @@ def _prepare_ucx_environment() -> None:
 def _import_nixl() -> tuple[Any, Any]:
     _prepare_ucx_environment()
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError as exc:
         raise BackendError(
             "NixlBackend needs NIXL: pip install nixl (its CUDA-variant wheel, e.g. nixl-cu12, carries UCX); "

@@ -544,7 +544,8 @@ class RemoteBackend(KVBackend):
     def _stop_sender(self, handle: TransferHandle) -> None:
         unclaimed: _SendRoom | None = None
         with self._lock:
-            self._waiting.pop(handle.room, None)
+            # A room still waiting for its decode stays in _waiting (until closed), so a
+            # ROOM arriving later is answered with this failure instead of hanging the decode.
             send_room = self._send_by_room.get(handle.room)
             if send_room is None or send_room.handle is not handle:
                 send_room = None
@@ -725,7 +726,8 @@ class RemoteBackend(KVBackend):
 
     def _start_tail(self, peer: _Peer, send_room: _SendRoom, chunk: _Chunk) -> bool:
         """Issue the commit marker of the last chunk; False if that failed (the room failed)."""
-        assert self.pools is not None and peer.pools is not None
+        assert self.pools is not None
+        assert peer.pools is not None
         note = _notification(send_room.token, chunk.nbytes, last=True) if self.engine.notifies_receiver else None
         aux_writes: list[Write] = []
         if chunk.aux_src is not None and send_room.aux is not None:
@@ -887,10 +889,14 @@ class RemoteBackend(KVBackend):
                 problem = f"room {room!r} already has pending metadata from a decode"
                 self.remote_stats.duplicate_rooms += 1
             handle = None
+            failed_first: FailureReason | None = None
             if problem is None:
                 send_room = _SendRoom(room, None, token, message.addr, list(pages), aux)
                 handle = self._waiting.pop(room, None)
-                if handle is None:
+                if handle is not None and handle.is_terminal:
+                    failed_first = handle.reason
+                    handle = None
+                elif handle is None:
                     self._expire_pending(time.monotonic())
                     self._pending[room] = (time.monotonic(), send_room, message)
                 else:
@@ -906,6 +912,12 @@ class RemoteBackend(KVBackend):
             )
             self.control.send(message.addr, "ABORT_ACK", {"room": room, "token": token})
             return
+        if failed_first is not None:
+            # This prefill gave up on the room before the decode's pages arrived.
+            self._send_abort(message.addr, room, token, failed_first)
+            self.remote_stats.abort_acks_sent += 1
+            self.control.send(message.addr, "ABORT_ACK", {"room": room, "token": token})
+            return
         if handle is not None:
             handle.bootstrapped()
 
@@ -914,7 +926,12 @@ class RemoteBackend(KVBackend):
         with self._lock:
             send_room = self._send_by_room.get(room)
             if send_room is not None and send_room.token != token:
-                send_room = None
+                # The room id is live here for another transfer: this ABORT does not name it.
+                self.remote_stats.stale_messages += 1
+                logger.warning(
+                    "kvfsm %s: ABORT for room %r with a stale token from %s dropped", self.name, room, message.addr
+                )
+                return
             waiting = self._waiting.pop(room, None) if send_room is None else None
             if send_room is None and waiting is None:
                 # Not claimed here yet (or only its metadata is): remember the abort, so a
