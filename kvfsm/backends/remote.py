@@ -54,7 +54,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Any
 
@@ -68,6 +68,9 @@ from .control import ControlMessage, ControlPlane
 __all__ = ["RemoteConfig", "RemoteBackend", "EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
+
+#: Closed-before-claimed rooms a prefill remembers (bounded memory).
+_MAX_TOMBSTONES = 65536
 
 #: One write: (source address, destination address, length in bytes).
 Write = tuple[int, int, int]
@@ -325,6 +328,7 @@ class RemoteBackend(KVBackend):
         self._send_by_room: dict[Hashable, _SendRoom] = {}
         self._waiting: dict[Hashable, TransferHandle] = {}
         self._pending: dict[Hashable, tuple[float, _SendRoom | None, ControlMessage]] = {}
+        self._closed_unclaimed: OrderedDict[Hashable, tuple[float, FailureReason | None]] = OrderedDict()
         self._work: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         super().__init__(manager)
@@ -384,7 +388,13 @@ class RemoteBackend(KVBackend):
                     if peer is not None:
                         peer.rooms.discard(rec.token)
             else:
-                self._waiting.pop(handle.room, None)
+                unclaimed = self._waiting.pop(handle.room, None)
+                if unclaimed is handle and handle.state is KVPoll.Failed:
+                    # Closed before its decode's pages arrived: answer them with this failure
+                    # when they do, rather than leaving the decode waiting for its deadline.
+                    self._closed_unclaimed[handle.room] = (time.monotonic(), handle.reason)
+                    while len(self._closed_unclaimed) > _MAX_TOMBSTONES:
+                        self._closed_unclaimed.popitem(last=False)
                 send_room = self._send_by_room.get(handle.room)
                 if send_room is not None and send_room.handle is handle:
                     # The worker keeps its own reference until the room's writes ended.
@@ -850,7 +860,8 @@ class RemoteBackend(KVBackend):
             problem = self.pools.layout_mismatch(pools)
         with self._lock:
             peer = self._peers.get(message.addr)
-            if peer is None:
+            if peer is None or peer.answered or peer.refused is not None:
+                # Unasked for, or a repeat: the handshake of this peer is settled already.
                 self.remote_stats.stale_messages += 1
                 return
             if problem is None:
@@ -859,11 +870,16 @@ class RemoteBackend(KVBackend):
                 peer.refused = problem
             recs = [self._recv_by_token[t] for t in peer.rooms if t in self._recv_by_token]
         for rec in recs:
+            handle = rec.handle
             if problem is not None:
-                rec.handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {message.addr}: {problem}"))
-                continue
-            rec.handle.bootstrapped()
-            self._send_room_pages(rec)
+                handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {message.addr}: {problem}"))
+            elif handle.state is KVPoll.Bootstrapping:
+                handle.bootstrapped()
+                self._send_room_pages(rec)
+            elif handle.state is KVPoll.Failed and not (handle.reason is not None and handle.reason.from_peer):
+                # It failed while the handshake was in flight: tell the prefill now, so its
+                # side of the room does not wait for its bootstrap deadline.
+                self._send_abort(rec.peer, handle.room, rec.token, handle.reason)
 
     def _on_room(self, message: ControlMessage) -> None:
         room, token, pages, aux = message["room"], message["token"], message["pages"], message["aux"]
@@ -893,9 +909,14 @@ class RemoteBackend(KVBackend):
             if problem is None:
                 send_room = _SendRoom(room, None, token, message.addr, list(pages), aux)
                 handle = self._waiting.pop(room, None)
+                tombstone = self._closed_unclaimed.pop(room, None) if handle is None else None
                 if handle is not None and handle.is_terminal:
                     failed_first = handle.reason
                     handle = None
+                elif tombstone is not None and time.monotonic() - tombstone[0] <= self.config.pending_ttl:
+                    failed_first = tombstone[1] or FailureReason(
+                        FailureKind.ABORTED, "closed before the decode's pages arrived"
+                    )
                 elif handle is None:
                     self._expire_pending(time.monotonic())
                     self._pending[room] = (time.monotonic(), send_room, message)
