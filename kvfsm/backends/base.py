@@ -393,6 +393,8 @@ class KVBackend(abc.ABC):
         self._check_handle(handle, "expect", Role.RECEIVER)
         if handle.is_terminal:
             return
+        if handle.state is KVPoll.Bootstrapping:
+            self._reject(handle, "expect() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "destination pages")
         self._expect(handle, checked, aux)
 
@@ -414,6 +416,8 @@ class KVBackend(abc.ABC):
         if handle.is_terminal:
             logger.debug("kvfsm send on room %r ignored: it is %s", handle.room, handle.state.name)
             return
+        if handle.state is KVPoll.Bootstrapping:
+            self._reject(handle, "send() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "source pages")
         self._send(handle, checked, bool(last), aux)
 
