@@ -64,6 +64,8 @@ MAGIC = b"KVFSM/1"
 #: Longest page list one ROOM message may carry (a sanity bound, not a limit of the design).
 MAX_PAGES = 1 << 22
 _MAX_TEXT = 4096
+#: Seconds a peer that said BYE still counts as present (capped by the heartbeat interval).
+_BYE_GRACE = 0.25
 
 
 class MalformedMessage(ValueError):
@@ -237,7 +239,7 @@ PeerLostHandler = Callable[[str, str | None, str], None]
 
 
 class _Peer:
-    __slots__ = ("addr", "last_seen", "lock", "peer_id", "socket", "watched")
+    __slots__ = ("addr", "bye", "last_seen", "lock", "peer_id", "socket", "watched")
 
     def __init__(self, addr: str, socket: zmq.Socket[bytes]) -> None:
         self.addr = addr
@@ -246,6 +248,7 @@ class _Peer:
         self.peer_id: str | None = None
         self.last_seen = 0.0
         self.watched = False
+        self.bye = False
 
 
 class ControlPlane:
@@ -446,7 +449,11 @@ class ControlPlane:
             return
         if message.type == "BYE":
             if peer is not None and peer.watched:
-                self._lose(peer, "it shut down (BYE)")
+                # Lost after a short grace, not at once: what the peer's engine sent just
+                # before (a NIXL notification travels outside this socket) may still land.
+                peer.bye = True
+                window = self.heartbeat_interval * self.heartbeat_misses
+                peer.last_seen = self._clock() - window + min(self.heartbeat_interval, _BYE_GRACE)
             return
         try:
             self._on_message(message)
@@ -465,7 +472,9 @@ class ControlPlane:
         for peer in peers:
             silent = now - peer.last_seen
             if silent > window:
-                self._lose(peer, f"no message for {silent:.2f}s (window {window:g}s)")
+                self._lose(
+                    peer, "it shut down (BYE)" if peer.bye else f"no message for {silent:.2f}s (window {window:g}s)"
+                )
             elif beat:
                 self.send(peer.addr, "HEARTBEAT")
                 self.stats.heartbeats_sent += 1
