@@ -576,12 +576,16 @@ class RemoteBackend(KVBackend):
         self._work.put(("stop", send_room))
 
     def _send_abort(self, addr: str, room: Hashable, token: str | None, reason: FailureReason | None) -> None:
+        if addr not in self._peers:
+            return  # lost or never met: nobody to tell (and no socket to reopen for it)
         kind = reason.kind.value if reason is not None else FailureKind.ABORTED.value
         text = reason.message if reason is not None else "aborted"
         self.remote_stats.aborts_sent += 1
         self.control.send(addr, "ABORT", {"room": room, "token": token, "kind": kind, "message": text})
 
     def _send_ack(self, send_room: _SendRoom) -> None:
+        if send_room.peer not in self._peers:
+            return
         self.remote_stats.abort_acks_sent += 1
         self.control.send(send_room.peer, "ABORT_ACK", {"room": send_room.room, "token": send_room.token})
 

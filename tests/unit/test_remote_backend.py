@@ -271,3 +271,17 @@ def test_prefill_that_says_bye_fails_the_decode_rooms_with_peer_lost(pair: Pair)
     assert recv.reason is not None
     assert recv.reason.kind is kvfsm.FailureKind.PEER_LOST
     assert "BYE" in recv.reason.message
+
+
+def test_close_stops_every_thread_it_started() -> None:
+    before = {t.name for t in threading.enumerate()}
+    pair = Pair()
+    send, recv = pair.connect(8, [0])
+    pair.send_backend.send(send, [0], last=True)
+    assert wait_for(lambda: recv.is_terminal)
+    pair.close()
+    assert wait_for(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("kvfsm-scripted") and t.name not in before]
+    )
+    assert not pair.send_backend.control.running
+    assert not pair.recv_backend.control.running
