@@ -61,7 +61,9 @@ def _run_case(settings: dict[str, Any]) -> dict[str, Any]:
     from kvfsm import simulate_remote
 
     if settings["backend"] in simulate_remote.REMOTE_BACKENDS:
-        args = argparse.Namespace(**{k: v for k, v in settings.items() if k not in ("progress", "heartbeat", "log_level")})
+        args = argparse.Namespace(
+            **{k: v for k, v in settings.items() if k not in ("progress", "heartbeat", "log_level")}
+        )
         args.no_progress = True
         args.json = None
         with open(os.devnull, "w") as sink:
@@ -79,7 +81,10 @@ def _local_case(settings: dict[str, Any]) -> dict[str, Any]:
     address = sender.backend.address
     start = time.perf_counter()
     # One pool per side, as two processes would have: a side never waits for threads the other holds.
-    with ThreadPoolExecutor(settings["concurrency"]) as send_pool, ThreadPoolExecutor(settings["concurrency"]) as recv_pool:
+    with (
+        ThreadPoolExecutor(settings["concurrency"]) as send_pool,
+        ThreadPoolExecutor(settings["concurrency"]) as recv_pool,
+    ):
         sends = [send_pool.submit(sender.sender_request, room, address) for room in range(settings["requests"])]
         recvs = [recv_pool.submit(receiver.receiver_request, room, address) for room in range(settings["requests"])]
         reports = {
@@ -113,8 +118,8 @@ def _raw_case(engine: str, page_size: int, count: int) -> dict[str, Any]:
     else:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        a = nixl_agent("raw-a", nixl_agent_config(backends=["UCX"]))
-        b = nixl_agent("raw-b", nixl_agent_config(backends=["UCX"]))
+        a = nixl_agent("raw-a", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        b = nixl_agent("raw-b", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         a.register_memory(src)
         b.register_memory(dst)
         name = a.add_remote_agent(b.get_agent_metadata())
@@ -125,11 +130,13 @@ def _raw_case(engine: str, page_size: int, count: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             handle = a.initialize_xfer("WRITE", local, remote, name, f"n{i}".encode())
             state = a.transfer(handle)
-            while state == "PROC":
-                state = a.check_xfer_state(handle)
+            notified = False
+            # Without progress threads each side progresses when polled: poll both.
+            while state == "PROC" or not notified:
+                if state == "PROC":
+                    state = a.check_xfer_state(handle)
+                notified = notified or bool(b.get_new_notifs())
             assert state == "DONE", state
-            while not b.get_new_notifs():
-                pass
             a.release_xfer_handle(handle)
             times.append(time.perf_counter() - t0)
     times = times[5:]  # the first writes open connections
@@ -181,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw = None if engine == "local" else _in_child(_raw_case, engine, page_size, args.latency_requests)
             for summary in (thr, lat):
                 if not summary["ok"] or summary["final_states"]["receiver"].get("Success") != summary["requests"]:
-                    raise RuntimeError(f"{engine} {page_size}: a benchmark run did not succeed: {summary['final_states']}")
+                    raise RuntimeError(
+                        f"{engine} {page_size}: a benchmark run did not succeed: {summary['final_states']}"
+                    )
             per_request = lat["elapsed_s"] / lat["requests"]
             rows.append(
                 {

@@ -257,7 +257,9 @@ class ControlPlane:
     `on_message(msg)` runs on the control thread for every valid message.
     `on_peer_lost(addr, peer_id, why)` runs there once per lost watched peer.
     `on_tick()` runs on every loop turn (at most every `tick` seconds), for
-    adapters that poll an engine. Handlers must not block for long.
+    adapters that poll an engine; it may return a shorter wait for the next
+    turn (seconds) while it expects something soon. Handlers must not block
+    for long.
     """
 
     def __init__(
@@ -265,7 +267,7 @@ class ControlPlane:
         *,
         on_message: MessageHandler,
         on_peer_lost: PeerLostHandler,
-        on_tick: Callable[[], None] | None = None,
+        on_tick: Callable[[], float | None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         heartbeat_interval: float = 1.0,
@@ -405,10 +407,17 @@ class ControlPlane:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
-        timeout_ms = max(1, int(self._tick * 1000))
+        wait = self._tick
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(timeout_ms))
+                if wait >= 0.001:
+                    ready = dict(poller.poll(int(wait * 1000)))
+                else:
+                    # Sub-millisecond turns (an engine asked to be polled often): zmq's
+                    # timeout is in whole milliseconds, so look, then nap.
+                    ready = dict(poller.poll(0))
+                    if not ready:
+                        time.sleep(wait)
                 if self._pull in ready:
                     # Drain what is queued, bounded so heartbeats still go out under load.
                     for _ in range(256):
@@ -418,8 +427,11 @@ class ControlPlane:
                             break
                         self._receive(frames)
                 self._housekeeping()
+                wait = self._tick
                 if self._on_tick is not None:
-                    self._on_tick()
+                    asked = self._on_tick()
+                    if asked is not None:
+                        wait = min(self._tick, asked)
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break

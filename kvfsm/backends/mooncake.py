@@ -19,7 +19,9 @@ Two ways to write a chunk's coalesced page runs (`mode`):
   fails the room on the first TIMEOUT instead (still waiting for the
   write to end before reporting drained).
 * `"batch"`: one `batch_transfer_sync_write` per chunk on a small thread
-  pool (as SGLang does). Fewer calls, but the sync call folds TIMEOUT into
+  pool (as SGLang does). Fewer calls (measured here over loopback TCP it
+  was slower, though: about 7 ms against 0.7 ms for a one-page room,
+  because each sync call waits out Mooncake's own polling), and the sync call folds TIMEOUT into
   failure and frees the batch while slices may still run, so a failed
   batch marks its room never-drained: no ABORT_ACK, the drain deadline
   decides when the decode may reuse the pages.

@@ -19,6 +19,14 @@ the room reported drained.
 
 Memory: CPU tensors register as "DRAM", CUDA ones as "VRAM".
 
+NIXL's own progress thread is off by default (`progress_thread=True`
+turns it on): it spins without pause (NIXL sets its delay to 0), which on
+a small CPU box starves every other thread (measured here: one-page
+writes went from about 0.1 ms to 10-25 ms). Without it the engine makes
+progress whenever it is polled, and this backend polls: the writer thread
+with `check_xfer_state`, the decode's control thread with
+`get_new_notifs` every millisecond.
+
 UCX's InfiniBand modules are not loaded when the machine has no IB device
 (`UCX_MODULES=^ib,rdmacm` unless set already): the libibverbs bundled
 with the `nixl` wheel crashes the interpreter at exit otherwise, and
@@ -109,11 +117,15 @@ class NixlEngine(EngineAdapter):
     name = "nixl"
     notifies_receiver = True
 
-    def __init__(self, *, agent_name: str | None = None, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(
+        self, *, agent_name: str | None = None, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False
+    ) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name or f"kvfsm-{uuid.uuid4().hex[:12]}"
         try:
-            self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(backends)))
+            self.agent = nixl_agent(
+                self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+            )
         except Exception as exc:
             raise BackendError(f"NIXL agent {self.agent_name!r} with backends {list(backends)} failed: {exc}") from exc
         missing = [b for b in backends if b not in self.agent.backends]
@@ -192,7 +204,8 @@ class NixlEngine(EngineAdapter):
 class NixlBackend(RemoteBackend):
     """Prefill or decode endpoint moving KV pages with NIXL over UCX.
 
-    `NixlBackend(manager, config=RemoteConfig(...), agent_name=None, backends=("UCX",))`.
+    `NixlBackend(manager, config=RemoteConfig(...), agent_name=None, backends=("UCX",),
+    progress_thread=False)`.
     """
 
     name = "nixl"
@@ -204,8 +217,13 @@ class NixlBackend(RemoteBackend):
         *,
         agent_name: str | None = None,
         backends: tuple[str, ...] = ("UCX",),
+        progress_thread: bool = False,
     ) -> None:
-        self._engine_options: dict[str, Any] = {"agent_name": agent_name, "backends": tuple(backends)}
+        self._engine_options: dict[str, Any] = {
+            "agent_name": agent_name,
+            "backends": tuple(backends),
+            "progress_thread": progress_thread,
+        }
         super().__init__(manager, config)
 
     def _make_engine(self) -> EngineAdapter:

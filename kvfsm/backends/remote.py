@@ -69,6 +69,11 @@ __all__ = ["RemoteConfig", "RemoteBackend", "EngineAdapter", "EngineJob", "Parti
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
+#: While a decode expects data it polls a notifying engine every _BUSY_TICK
+#: seconds, for _BUSY_SPAN seconds after its last page request or notification.
+_BUSY_TICK = 0.0001
+_BUSY_SPAN = 0.05
+
 #: Closed-before-claimed rooms a prefill remembers (bounded memory).
 _MAX_TOMBSTONES = 65536
 
@@ -331,6 +336,9 @@ class RemoteBackend(KVBackend):
         self._closed_unclaimed: OrderedDict[Hashable, tuple[float, FailureReason | None]] = OrderedDict()
         self._work: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        self._busy_until = 0.0
+        # Decode rooms whose pages the prefill knows and whose data has not all landed.
+        self._expecting: set[str] = set()
         super().__init__(manager)
         self.control = ControlPlane(
             on_message=self._on_message,
@@ -383,6 +391,8 @@ class RemoteBackend(KVBackend):
             if self.role is Role.RECEIVER:
                 token = self._recv_token_of.pop((handle.room, handle.generation), None)
                 rec = None if token is None else self._recv_by_token.pop(token, None)
+                if token is not None:
+                    self._expecting.discard(token)
                 if rec is not None:
                     peer = self._peers.get(rec.peer)
                     if peer is not None:
@@ -452,6 +462,7 @@ class RemoteBackend(KVBackend):
         if rec.pages_sent or rec.pages is None or rec.handle.is_terminal:
             return
         rec.pages_sent = True
+        self._expecting.add(rec.token)
         self.control.send(
             rec.peer, "ROOM", {"room": rec.handle.room, "token": rec.token, "pages": rec.pages, "aux": rec.aux}
         )
@@ -463,6 +474,7 @@ class RemoteBackend(KVBackend):
         if rec is None:
             handle.writes_drained()
             return
+        self._expecting.discard(rec.token)
         reason = handle.reason
         if peer is not None and peer.answered and not (reason is not None and reason.from_peer):
             self._send_abort(rec.peer, handle.room, rec.token, reason)
@@ -483,15 +495,26 @@ class RemoteBackend(KVBackend):
         handle.chunk_done(nbytes, last=last)
         if last:
             handle.transfer_done()
+            self._expecting.discard(token)
 
-    def _on_tick(self) -> None:
-        for message in self.engine.receiver_notifications():
+    def _on_tick(self) -> float | None:
+        """Poll the engine's notifications; ask for quick turns while data is expected.
+
+        Polling is also what makes a progress-thread-less engine (NIXL here)
+        receive: the faster we poll while a transfer is on, the sooner it lands.
+        """
+        now = time.monotonic()
+        notes = self.engine.receiver_notifications()
+        for message in notes:
             parsed = _parse_notification(message)
             if parsed is None:
                 self.remote_stats.stale_messages += 1
                 logger.warning("kvfsm %s: malformed engine notification %r dropped", self.name, message[:64])
                 continue
             self._receiver_progress(*parsed)
+        if notes:
+            self._busy_until = now + _BUSY_SPAN
+        return _BUSY_TICK if (self._expecting or now < self._busy_until) else None
 
     # -- sender (prefill) -------------------------------------------------------------------
 
