@@ -181,9 +181,16 @@ class _Endpoint:
 
     def abort(self, room: Any) -> dict[str, Any]:
         handle = self.handles[room]
+        acks = self.backend.remote_stats.abort_acks_received
         handle.abort("test abort")
-        # Read at once: the peer's ABORT_ACK needs a round trip over the control plane.
-        return {"state": handle.state.name, "release_safe": handle.release_safe}
+        # Read at once, gate first: if it is open, it was the peer's ABORT_ACK (counted
+        # before the gate opens) or nothing had been sent; `acked` tells which.
+        safe = handle.release_safe
+        return {
+            "state": handle.state.name,
+            "release_safe": safe,
+            "acked": self.backend.remote_stats.abort_acks_received > acks,
+        }
 
     def info(self, room: Any) -> dict[str, Any]:
         handle = self.handles[room]

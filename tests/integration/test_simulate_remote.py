@@ -34,7 +34,9 @@ def test_simulate_remote_verifies_every_request(engine: str) -> None:
     summary = simulate_remote(args)
     assert summary["ok"], summary["verification"]
     assert summary["requests"] == 40
-    assert summary["sides_disagree"] == 0
+    # A decode abort may race the prefill's last write: the prefill ends Success, the
+    # decode Failed. That is allowed (the decode gave up); the reverse is not.
+    assert summary["sides_disagree"] <= summary["failure_kinds"]["receiver"].get("aborted", 0)
     finals = summary["final_states"]
     assert sum(finals["receiver"].values()) == sum(finals["sender"].values()) == 40
     assert finals["receiver"].get("Success", 0) >= 10
