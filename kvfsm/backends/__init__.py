@@ -13,9 +13,13 @@ The protocol every adapter implements is `kvfsm.backends.base.KVBackend`
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import BackendError, KVBackend, KVPools, MemoryRegion, TransferInputError
+
+if TYPE_CHECKING:  # the real imports are lazy (see __getattr__)
+    from .fake import FakeBackend
+    from .local import LocalBackend
 
 __all__ = [
     "BACKENDS",

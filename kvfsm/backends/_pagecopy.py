@@ -88,47 +88,37 @@ class PageCopier:
             raise ValueError(f"{count} source pages but {len(dst_pages)} destination pages")
         if count == 0:
             return 0
-        src = torch.tensor(src_pages, dtype=torch.int64)
-        dst = torch.tensor(dst_pages, dtype=torch.int64)
-        # Run boundaries: wherever either side stops being consecutive.
-        if count > 1:
-            breaks = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
-            starts = torch.cat((torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1))
-        else:
-            starts = torch.zeros(1, dtype=torch.int64)
-        lengths = torch.diff(starts, append=torch.tensor([count]))
+        starts, lengths = _runs(src_pages, dst_pages)
+        plans: dict[int, _Plan] = {}
         for src_view, dst_view in self.pairs:
             row_bytes = src_view.shape[1] * src_view.element_size()
-            min_run = max(1, -(-self.direct_bytes // row_bytes))
-            direct = lengths >= min_run
-            if bool(direct.any()):
-                for start, length in zip(starts[direct].tolist(), lengths[direct].tolist(), strict=True):
-                    s0, d0 = int(src_pages[start]), int(dst_pages[start])
-                    dst_view[d0 : d0 + length].copy_(src_view[s0 : s0 + length])
-                if bool(direct.all()):
-                    continue
-                scattered = ~torch.repeat_interleave(direct, lengths)
-                self._indexed(src_view, dst_view, src[scattered], dst[scattered])
-            else:
-                self._indexed(src_view, dst_view, src, dst)
+            plan = plans.get(row_bytes)
+            if plan is None:
+                plan = plans[row_bytes] = _Plan(src_pages, dst_pages, starts, lengths, row_bytes, self.direct_bytes)
+            for s0, d0, length in plan.direct:
+                dst_view[d0 : d0 + length].copy_(src_view[s0 : s0 + length])
+            if plan.src is not None and plan.dst is not None:
+                self._indexed(src_view, dst_view, plan)
         return count * self.page_nbytes
 
-    def _indexed(self, src_view: torch.Tensor, dst_view: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        count = src.numel()
+    def _indexed(self, src_view: torch.Tensor, dst_view: torch.Tensor, plan: _Plan) -> None:
+        assert plan.src is not None
+        assert plan.dst is not None
+        count = plan.src.numel()
         same_device = src_view.device == dst_view.device
-        if same_device and _consecutive(dst):
-            d0 = int(dst[0])
-            torch.index_select(src_view, 0, src.to(src_view.device), out=dst_view[d0 : d0 + count])
+        if same_device and plan.dst_start is not None:
+            d0 = plan.dst_start
+            torch.index_select(src_view, 0, plan.src.to(src_view.device), out=dst_view[d0 : d0 + count])
             return
-        if same_device and _consecutive(src):
-            s0 = int(src[0])
-            dst_view.index_copy_(0, dst.to(dst_view.device), src_view[s0 : s0 + count])
+        if same_device and plan.src_start is not None:
+            s0 = plan.src_start
+            dst_view.index_copy_(0, plan.dst.to(dst_view.device), src_view[s0 : s0 + count])
             return
         row_bytes = src_view.shape[1] * src_view.element_size()
         batch = max(1, self.batch_bytes // row_bytes)
         scratch = self._scratch(src_view, min(batch, count))
-        src_dev = src.to(src_view.device)
-        dst_dev = dst.to(dst_view.device)
+        src_dev = plan.src.to(src_view.device)
+        dst_dev = plan.dst.to(dst_view.device)
         for lo in range(0, count, batch):
             hi = min(count, lo + batch)
             rows = scratch[: hi - lo]
@@ -147,6 +137,66 @@ class PageCopier:
         return buffer
 
 
-def _consecutive(index: torch.Tensor) -> bool:
-    count = index.numel()
-    return count == 1 or (int(index[-1] - index[0]) == count - 1 and bool(((index[1:] - index[:-1]) == 1).all()))
+_VECTOR_RUNS = 256
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Starts and lengths of the runs where src and dst both go up by one."""
+    count = len(src)
+    if count < _VECTOR_RUNS:
+        starts, lengths = [0], []
+        for i in range(1, count):
+            if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+                lengths.append(i - starts[-1])
+                starts.append(i)
+        lengths.append(count - starts[-1])
+        return starts, lengths
+    s = torch.tensor(src, dtype=torch.int64)
+    d = torch.tensor(dst, dtype=torch.int64)
+    breaks = ((s[1:] - s[:-1]) != 1) | ((d[1:] - d[:-1]) != 1)
+    start_t = torch.cat((torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1))
+    length_t = torch.diff(start_t, append=torch.tensor([count]))
+    return start_t.tolist(), length_t.tolist()
+
+
+class _Plan:
+    """How one chunk splits for one page size: direct slice runs, then indexed pages."""
+
+    __slots__ = ("direct", "dst", "dst_start", "src", "src_start")
+
+    def __init__(
+        self,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        starts: list[int],
+        lengths: list[int],
+        row_bytes: int,
+        direct_bytes: int,
+    ) -> None:
+        min_run = max(1, -(-direct_bytes // row_bytes))
+        self.direct: list[tuple[int, int, int]] = []
+        rest_src: list[int] = []
+        rest_dst: list[int] = []
+        for start, length in zip(starts, lengths, strict=True):
+            if length >= min_run:
+                self.direct.append((int(src_pages[start]), int(dst_pages[start]), length))
+            else:
+                rest_src.extend(src_pages[start : start + length])
+                rest_dst.extend(dst_pages[start : start + length])
+        self.src: torch.Tensor | None = None
+        self.dst: torch.Tensor | None = None
+        self.src_start: int | None = None
+        self.dst_start: int | None = None
+        if rest_src:
+            self.src = torch.tensor(rest_src, dtype=torch.int64)
+            self.dst = torch.tensor(rest_dst, dtype=torch.int64)
+            self.src_start = _consecutive_start(rest_src)
+            self.dst_start = _consecutive_start(rest_dst)
+
+
+def _consecutive_start(pages: list[int]) -> int | None:
+    """pages[0] if pages are consecutive ascending, else None."""
+    first = pages[0]
+    if pages[-1] - first != len(pages) - 1:
+        return None
+    return first if pages == list(range(first, first + len(pages))) else None

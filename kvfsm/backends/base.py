@@ -17,6 +17,11 @@ each room. The split is strict:
   for that room and calls `handle.writes_drained()` once none of its writes
   into the room's pages can still land (immediately if nothing was in
   flight). That opens the release gate.
+* Notices reach observers after the manager's lock is released, on
+  whichever thread is dispatching, so `_stop` can run a little after the
+  room failed. An adapter that fails a room itself calls
+  `self._fail(handle, reason)`, which also stops the room's work before it
+  returns, and it checks `handle.state` before committing a transfer.
 
 One `KVBackend` instance is one endpoint: one role (its manager's) in one
 process. A prefill endpoint and a decode endpoint find each other through
@@ -422,9 +427,19 @@ class KVBackend(abc.ABC):
         self._send(handle, checked, bool(last), aux)
 
     def close(self) -> None:
-        """Stop observing the manager and release the engine. Idempotent."""
+        """Fail the rooms still in flight here, stop observing, release the engine. Idempotent.
+
+        A room this endpoint was moving cannot progress once it is closed, so
+        it fails now (`TRANSFER_ERROR`) instead of waiting for a deadline;
+        its drain is reported as usual.
+        """
         if self._closed:
             return
+        with self._rooms_lock:
+            live = [h for h in self._rooms.values() if not h.closed and not h.is_terminal]
+        reason = FailureReason(FailureKind.TRANSFER_ERROR, f"the {self.name} backend at {self.address} was closed")
+        for handle in live:
+            self._fail(handle, reason)
         self._closed = True
         self._unsubscribe()
         self._shutdown()
@@ -475,8 +490,10 @@ class KVBackend(abc.ABC):
                     )
                 aux = check_pages(handle.room, [aux_index], self.pools.num_aux_slots, "aux_index")[0]
         except TransferInputError as exc:
-            self._reject(handle, exc.problem)
-        return checked, aux
+            problem = exc.problem
+        else:
+            return checked, aux
+        self._reject(handle, problem)
 
     def _reject(self, handle: TransferHandle, problem: str) -> NoReturn:
         """Fail the room (if live) with `problem` and raise `TransferInputError`."""
@@ -489,6 +506,18 @@ class KVBackend(abc.ABC):
         return self._rooms.get(room)
 
     # -- the core's side: failures and closes reach the adapter -----------------------------
+
+    def _fail(self, handle: TransferHandle, reason: FailureReason) -> bool:
+        """Fail `handle` (an event, like any) and stop its work before returning.
+
+        Use this, not `handle.fail`, when the adapter itself detects the
+        failure: the manager's notice may be delivered later by another
+        thread, and the adapter must not go on writing meanwhile.
+        """
+        changed = handle.fail(reason)
+        if handle.state is KVPoll.Failed and self._rooms.get(handle.room) is handle:
+            self._stop_once(handle)
+        return changed
 
     def _stop_once(self, handle: TransferHandle) -> None:
         key = (handle.room, handle.generation)

@@ -17,7 +17,8 @@ timed out and counted exactly like a real one:
   reports writes drained at once, so pages are release-safe immediately.
 
 Byte counts are `pages * pools.page_nbytes`; without registered pools a
-virtual pool of 2**28 pages of 4 KiB is assumed (no memory is allocated).
+virtual pool of 2**28 pages of 4 KiB and 2**20 aux slots is assumed (no memory
+is allocated).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from .base import KVBackend, KVPools, MemoryRegion
 __all__ = ["FakeBackend", "VIRTUAL_POOLS"]
 
 #: What a FakeBackend registers when given no pools: address space only.
-VIRTUAL_POOLS = KVPools([MemoryRegion(ptr=0, nbytes=4096 << 28, page_nbytes=4096, name="virtual")])
+VIRTUAL_POOLS = KVPools(
+    [MemoryRegion(ptr=0, nbytes=4096 << 28, page_nbytes=4096, name="virtual")],
+    [MemoryRegion(ptr=0, nbytes=64 << 20, page_nbytes=64, name="virtual-aux")],
+)
 
 _ids = itertools.count(1)
 

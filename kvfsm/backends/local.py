@@ -44,9 +44,11 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import ClassVar
 
 import attrs
@@ -210,6 +212,8 @@ class LocalBackend(KVBackend):
         self.fabric = DEFAULT_FABRIC if fabric is None else fabric
         self.faults = faults
         self._rng = random.Random(faults.seed)
+        # Faults drawn or timed per chunk need chunks one at a time.
+        self._per_chunk_faults = bool(faults.fail_rate or faults.delay_s)
         self._rng_lock = threading.Lock()
         self._direct_bytes = direct_bytes
         self._batch_bytes = batch_bytes
@@ -218,7 +222,9 @@ class LocalBackend(KVBackend):
         self._views: list[torch.Tensor] = []
         self._aux_views: list[torch.Tensor] = []
         self._markers: torch.Tensor | None = None
-        self._copiers: dict[int, PageCopier] = {}
+        # Weak keys: a closed receiver endpoint must not leave a copier behind
+        # that a new endpoint could be mistaken for.
+        self._copiers: weakref.WeakKeyDictionary[LocalBackend, PageCopier] = weakref.WeakKeyDictionary()
         self._audit: dict[tuple[Hashable, int], int] | None = {} if audit else None
         self._pool = (
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvfsm-local")
@@ -250,11 +256,10 @@ class LocalBackend(KVBackend):
             self._markers = torch.full((pools.num_aux_slots, 2), -1, dtype=torch.int64, device=self._views[0].device)
 
     def _copier_for(self, receiver_ep: LocalBackend) -> PageCopier:
-        key = id(receiver_ep)
         with self._lock:
-            copier = self._copiers.get(key)
+            copier = self._copiers.get(receiver_ep)
             if copier is None:
-                copier = self._copiers[key] = PageCopier(
+                copier = self._copiers[receiver_ep] = PageCopier(
                     list(zip(self._views, receiver_ep._views, strict=True)),
                     direct_bytes=self._direct_bytes,
                     batch_bytes=self._batch_bytes,
@@ -332,6 +337,9 @@ class LocalBackend(KVBackend):
         if mismatch is None:
             return True
         problem = f"the sender's and the receiver's pools differ: {mismatch}"
+        with link.lock:
+            # Both sides get the real reason, not a "peer failed" echo of it.
+            link.cancelled = True
         for handle in (link.sender, link.receiver):
             if handle is not None and not handle.closed and not handle.is_terminal:
                 handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
@@ -429,8 +437,16 @@ class LocalBackend(KVBackend):
                 link.sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the local backend was closed"))
 
     def _work(self, link: _Link) -> None:
-        """Run a room's queued chunks in order until its queue is empty."""
+        """Run a room's queued chunks in order until its queue is empty.
+
+        Chunks count as in flight from the moment they are taken off the
+        queue until their writes landed; their events are emitted after that,
+        so a room that reads Success or drained never has a copy of its own
+        running. Everything queued is taken at once (one copy call) unless
+        faults act per chunk or the room is lingering after a failure.
+        """
         while True:
+            self._stop_if_failed(link)
             with link.lock:
                 if link.cancelled and link.linger_left <= 0:
                     link.queue.clear()
@@ -443,21 +459,48 @@ class LocalBackend(KVBackend):
                 lingering = link.cancelled
                 if lingering:
                     link.linger_left -= 1
-                chunk = link.queue.popleft()
+                if lingering or self._per_chunk_faults:
+                    chunks = [link.queue.popleft()]
+                else:
+                    chunks = list(link.queue)
+                    link.queue.clear()
                 link.in_flight += 1
+            events: list[Callable[[], object]] = []
             try:
-                self._run_chunk(link, chunk, lingering)
+                events = self._run_chunks(link, chunks, lingering)
             except Exception as exc:  # a real copy error fails the room, it never kills the worker
-                logger.exception("kvfsm local: chunk %d of room %r failed", chunk.index, link.room)
-                if link.sender is not None:
-                    link.sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunk.index}: {exc}"))
+                logger.exception("kvfsm local: chunk %d of room %r failed", chunks[0].index, link.room)
+                failure = FailureReason(FailureKind.TRANSFER_ERROR, f"chunk {chunks[0].index}: {exc}")
+                events = [partial(self._fail_sender, link, failure)]
             finally:
                 with link.lock:
                     link.in_flight -= 1
+            for emit in events:
+                emit()
         if drain:
             self._report_drained(link)
 
-    def _run_chunk(self, link: _Link, chunk: _Chunk, lingering: bool) -> None:
+    def _fail_sender(self, link: _Link, reason: FailureReason) -> None:
+        if link.sender is not None:
+            self._fail(link.sender, reason)
+
+    def _stop_if_failed(self, link: _Link) -> None:
+        """Cancel the link now if a side failed whose notice has not reached `_stop` yet."""
+        if link.cancelled:
+            return
+        receiver_ep = link.receiver_ep
+        for handle, endpoint in ((link.sender, self), (link.receiver, receiver_ep)):
+            if handle is not None and endpoint is not None and handle.state is KVPoll.Failed:
+                endpoint._stop_once(handle)
+                return
+
+    def _run_chunks(self, link: _Link, chunks: list[_Chunk], lingering: bool) -> list[Callable[[], object]]:
+        """Copy queued chunks of one room as one batch; return the events to emit after.
+
+        Chunks that were already queued together are copied in one
+        `PageCopier` call (fewer kernel launches, runs across chunk borders
+        merge); each still gets its own `chunk_done`, in order.
+        """
         faults = self.faults
         if faults.delay_s:
             time.sleep(faults.delay_s)
@@ -471,27 +514,40 @@ class LocalBackend(KVBackend):
         assert receiver_ep is not None
         if not lingering and receiver.state is KVPoll.WaitingForInput:
             receiver.transfer_started()
+        first = chunks[0]
         if faults.fail_rate and not lingering and self._draw() < faults.fail_rate:
-            half = len(chunk.src) // 2
-            link.copier.copy(chunk.src[:half], chunk.dst[:half])
+            half = len(first.src) // 2
+            link.copier.copy(first.src[:half], first.dst[:half])
             self._synchronize()
             receiver_ep._note_write(receiver)
-            sender.fail(FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {chunk.index}"))
-            return
-        nbytes = link.copier.copy(chunk.src, chunk.dst)
-        if chunk.last:
-            self._commit(link, chunk)
+            reason = FailureReason(FailureKind.TRANSFER_ERROR, f"injected failure in chunk {first.index}")
+            return [partial(self._fail_sender, link, reason)]
+        if len(chunks) == 1:
+            link.copier.copy(first.src, first.dst)
+        else:
+            link.copier.copy(
+                [page for chunk in chunks for page in chunk.src], [page for chunk in chunks for page in chunk.dst]
+            )
+        final = chunks[-1]
+        if final.last:
+            self._commit(link, final)
         self._synchronize()
         receiver_ep._note_write(receiver)
-        sender.chunk_done(nbytes, last=chunk.last)
-        receiver.chunk_done(nbytes, last=chunk.last)
-        if chunk.last and not lingering:
+        page_nbytes = link.copier.page_nbytes
+        events: list[Callable[[], object]] = []
+        for chunk in chunks:
+            nbytes = len(chunk.src) * page_nbytes
+            events.append(partial(sender.chunk_done, nbytes, last=chunk.last))
+            events.append(partial(receiver.chunk_done, nbytes, last=chunk.last))
+        if final.last and not lingering:
             problem = receiver_ep._check_marker(link)
             if problem is not None:
-                receiver.fail(FailureReason(FailureKind.TRANSFER_ERROR, problem))
-                return
-            receiver.transfer_done()
-            sender.transfer_done()
+                failure = FailureReason(FailureKind.TRANSFER_ERROR, problem)
+                events.append(partial(receiver_ep._fail, receiver, failure))
+            else:
+                events.append(receiver.transfer_done)
+                events.append(sender.transfer_done)
+        return events
 
     def _commit(self, link: _Link, chunk: _Chunk) -> None:
         """Copy the aux slot, then write the commit marker: always the last write."""
@@ -535,6 +591,17 @@ class LocalBackend(KVBackend):
             raise BackendError("writes_landed() needs LocalBackend(..., audit=True)")
         with self._lock:
             return self._audit.get((handle.room, handle.generation), 0)
+
+    def audited_rooms(self) -> list[tuple[Hashable, int]]:
+        """Receiver with `audit=True`: (room, generation) of open rooms that got writes.
+
+        Closing a room drops its entry, so an entry for a closed room means a
+        copy landed in its pages after it was closed.
+        """
+        if self._audit is None:
+            raise BackendError("audited_rooms() needs LocalBackend(..., audit=True)")
+        with self._lock:
+            return list(self._audit)
 
     def in_flight(self, handle: TransferHandle) -> int:
         """Chunks of this room being copied right now (0 when idle)."""

@@ -1,0 +1,72 @@
+"""`kvfsm simulate`: passes on a sound run, fails loudly on a broken one."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfsm import cli
+from kvfsm.simulate import VERIFICATION_CHECKS, default_args, simulate
+
+SMALL = ["--requests", "60", "--pages", "4", "--page-size", "2048", "--chunks", "3", "--no-progress"]
+
+
+def test_a_sound_run_exits_zero_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "summary.json"
+    assert cli.main(["simulate", *SMALL, "--abort-rate", "0.3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Verification" in printed
+    assert "all checks passed" in printed
+    summary = json.loads(out.read_text())
+    assert summary["ok"] is True
+    assert summary["requests"] == 60
+    assert set(summary["verification"]) == set(VERIFICATION_CHECKS)
+    finals = summary["final_states"]["receiver"]
+    assert sum(finals.values()) == 60
+    assert finals.get("Failed", 0) > 0  # the aborts happened
+    assert summary["pages_checked"] == 4 * finals["Success"]
+    assert summary["throughput"]["bytes"] == 2048 * summary["pages_checked"]
+    assert summary["metrics"]["receiver"]["final_states"]["Success"] == finals["Success"]
+
+
+@pytest.mark.parametrize("bug", ["corrupt-page", "leave-open"])
+def test_a_deliberately_broken_run_exits_non_zero(bug: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", *SMALL, "--abort-rate", "0", "--inject-bug", bug]) == 1
+    printed = capsys.readouterr().out
+    assert "VERIFICATION FAILED" in printed
+    assert "FAIL" in printed
+
+
+def test_early_release_is_caught() -> None:
+    args = default_args(requests=80, pages=4, page_size=2048, chunks=4, no_progress=True, inject_bug="early-release")
+    summary = simulate(args, out=io.StringIO(), err=io.StringIO())
+    assert summary["verification"]["released_before_safe"] > 0
+    assert not summary["ok"]
+
+
+def test_fake_backend_run() -> None:
+    args = default_args(backend="fake", requests=300, no_progress=True, abort_rate=0.2, stall_rate=0.02)
+    args.transfer_timeout = 0.05
+    summary = simulate(args, out=io.StringIO(), err=io.StringIO())
+    assert summary["ok"], summary["verification"]
+    assert summary["pages_checked"] == 0  # nothing is copied
+    kinds = summary["failure_kinds"]["sender"]
+    assert kinds.get("aborted", 0) > 0
+    assert kinds.get("timeout", 0) > 0  # stalled senders hit the waiting deadline
+
+
+def test_progress_bar_goes_to_stderr() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    args = default_args(requests=20, pages=2, page_size=1024, no_progress=False)
+    simulate(args, out=out, err=err)
+    assert "simulate [" in err.getvalue()
+    assert "20/20" in err.getvalue()
+    assert "simulate [" not in out.getvalue()
+
+
+def test_bad_page_size_is_a_clear_error() -> None:
+    with pytest.raises(SystemExit, match="--page-size must be a multiple of 8 bytes"):
+        simulate(default_args(requests=1, page_size=1001, no_progress=True), out=io.StringIO())
