@@ -264,8 +264,21 @@ def test_duplicate_room_from_another_decode_transfer_is_refused(pair: Pair) -> N
         other_backend.close()
 
 
-def test_prefill_that_says_bye_fails_the_decode_rooms_with_peer_lost(pair: Pair) -> None:
+def test_prefill_closing_fails_its_rooms_and_the_decode_learns_why(pair: Pair) -> None:
     _send, recv = pair.connect(7, [0])
+    pair.send_backend.close()
+    assert wait_for(lambda: recv.is_terminal)
+    assert recv.reason is not None
+    assert recv.reason.kind is kvfsm.FailureKind.PEER_FAILED
+    assert recv.reason.from_peer
+
+
+def test_prefill_that_says_bye_fails_the_other_decode_rooms_with_peer_lost(pair: Pair) -> None:
+    # A decode room the prefill has not opened yet: only the BYE can tell the decode.
+    recv = pair.receiver.open(9)
+    pair.recv_backend.bootstrap(recv, pair.send_backend.address)
+    assert wait_for(lambda: recv.state is kvfsm.KVPoll.WaitingForInput)
+    pair.recv_backend.expect(recv, [2], None)
     pair.send_backend.close()
     assert wait_for(lambda: recv.is_terminal)
     assert recv.reason is not None
