@@ -40,6 +40,7 @@ class ScriptedJob(EngineJob):
         self.script = script
         self.copied = False
         self.released = False
+        self.cancellable = False
         self.detail = f"{len(writes)} writes"
 
     def poll(self) -> str:
@@ -52,6 +53,9 @@ class ScriptedJob(EngineJob):
             self.may_still_land = True
             return "failed"
         return status
+
+    def cancel(self) -> bool:
+        return self.cancellable
 
     def release(self) -> None:
         self.released = True
@@ -298,3 +302,18 @@ def test_close_stops_every_thread_it_started() -> None:
     )
     assert not pair.send_backend.control.running
     assert not pair.recv_backend.control.running
+
+
+def test_abort_releases_a_cancellable_transfer_at_once(pair: Pair) -> None:
+    # NIXL-style: releasing an in-flight handle cancels it; nothing is waited for.
+    send, recv = pair.connect(10, [0, 1])
+    pair.engine.scripts.append(deque(["pending"] * 100000))
+    pair.send_backend.send(send, [0, 1], last=True)
+    assert wait_for(lambda: len(pair.engine.jobs) == 1)
+    job = pair.engine.jobs[0]
+    job.cancellable = True
+    recv.abort("client went away")
+    assert wait_for(lambda: recv.release_safe), "the ACK follows the cancel without waiting for the write"
+    assert job.released
+    assert not job.copied
+    assert send.release_safe
