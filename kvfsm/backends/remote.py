@@ -716,7 +716,10 @@ class RemoteBackend(KVBackend):
                 return True
             return moved
         if failure is not None and handle is not None:
-            handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, failure))
+            if not send_room.failed_sent:
+                # Once: the stop command this triggers may reach the queue a turn later.
+                send_room.failed_sent = True
+                handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, failure))
             return True
         peer = self._peers.get(send_room.peer)
         if peer is None or peer.pools is None or handle is None:
@@ -813,7 +816,8 @@ class RemoteBackend(KVBackend):
 
     def _engine_error(self, send_room: _SendRoom, message: str) -> None:
         self.remote_stats.engine_failures += 1
-        if send_room.handle is not None:
+        if send_room.handle is not None and not send_room.failed_sent:
+            send_room.failed_sent = True
             send_room.handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, message))
 
     def _kv_writes(self, peer_pools: KVPools, chunk: _Chunk) -> list[Write]:
