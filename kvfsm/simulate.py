@@ -534,6 +534,13 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if args.backend in ("mooncake", "nixl"):
+        # Real engines run prefill and decode as two processes on loopback.
+        if args.inject_bug != "none":
+            raise ValueError(f"--inject-bug runs on the in-process backends only, not on {args.backend!r}")
+        from .simulate_remote import simulate_remote
+
+        return simulate_remote(args, out, err)
     if args.inject_bug == "early-release":
         args.abort_rate = max(args.abort_rate, 0.5)
     world = _make_world(args)
@@ -715,7 +722,12 @@ def print_summary(summary: dict[str, Any], out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return 0 if simulate(args)["ok"] else 1
+    try:
+        summary = simulate(args)
+    except ValueError as exc:  # options that cannot go together
+        print(f"kvfsm simulate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if summary["ok"] else 1
 
 
 def default_args(**overrides: Any) -> argparse.Namespace:

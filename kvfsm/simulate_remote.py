@@ -1,0 +1,426 @@
+"""`kvfsm simulate --backend mooncake|nixl`: prefill and decode in two processes.
+
+The same job as `kvfsm.simulate`, across a process boundary: the parent
+spawns a prefill process and a decode process, each with its own
+`TransferManager`, KV pools and engine endpoint on 127.0.0.1, and waits
+for both to report. The parent imports neither torch nor an engine.
+
+Both children derive every request's plan from the seed: which side aborts
+and at which step, which transfers fail on the prefill (`--fail-rate`, a
+`TRANSFER_ERROR` before the last chunk). Each side picks its pages from its
+own free list at random (scattered pages), the prefill fills its source
+pages and aux slot with data derived from the room id, and the decode,
+once a room succeeded, regenerates that data and compares it byte for byte
+with what landed. Pages go back to a free list only once release-safe.
+
+At the end the parent joins both reports per room and returns the summary
+dict of `kvfsm.simulate` (same keys, same verification block: pages not
+identical, rooms left open, status/handle mismatches, released before
+safe; `sides_disagree` too). The stall injection of the local backend has
+no cross-process equivalent here and is ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .backends.base import KVBackend
+
+__all__ = ["simulate_remote", "run", "REMOTE_BACKENDS"]
+
+REMOTE_BACKENDS = ("mooncake", "nixl")
+LAYERS = 2
+AUX_BYTES = 64
+_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+
+
+def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
+    return getattr(args, name, default)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    page_size = int(_arg(args, "page_size", 16384))
+    if page_size % (LAYERS * 2 * 4):
+        raise ValueError(f"--page-size must be a multiple of {LAYERS * 2 * 4} bytes (2 layers x K,V x float32)")
+    return {
+        "backend": args.backend,
+        "requests": int(_arg(args, "requests", 200)),
+        "pages": int(_arg(args, "pages", 8)),
+        "page_size": page_size,
+        "chunks": int(_arg(args, "chunks", 3)),
+        "concurrency": int(_arg(args, "concurrency", 8)),
+        "abort_rate": float(_arg(args, "abort_rate", 0.05)),
+        "fail_rate": float(_arg(args, "fail_rate", 0.01)),
+        "seed": int(_arg(args, "seed", 0)),
+        "progress": not _arg(args, "no_progress", False),
+        # Benchmarks turn the data fill and byte check off to time the transfers alone.
+        "verify": bool(_arg(args, "verify", True)),
+        "heartbeat": 0.5,
+        # The children log like the parent (`kvfsm -v simulate ...`).
+        "log_level": logging.getLogger().getEffectiveLevel(),
+    }
+
+
+def _plan(settings: dict[str, Any], room: int) -> dict[str, Any]:
+    """The request's fate, the same in both processes."""
+    rng = random.Random(settings["seed"] * 1_000_003 + room)
+    abort_side = None
+    abort_step = None
+    if rng.random() < settings["abort_rate"]:
+        abort_side = rng.choice(("sender", "receiver"))
+        # receiver steps: 0 after bootstrap, 1 after expect; sender: 0 after bootstrap, 1.. between chunks
+        abort_step = rng.randrange(2) if abort_side == "receiver" else rng.randrange(1 + settings["chunks"])
+    fails = rng.random() < 1 - (1 - settings["fail_rate"]) ** settings["chunks"]
+    return {"abort_side": abort_side, "abort_step": abort_step, "fails": fails and abort_side is None}
+
+
+# -- children ---------------------------------------------------------------------------------
+
+
+class _FreeList:
+    def __init__(self, pages: int, slots: int) -> None:
+        self._pages = list(range(pages))
+        self._slots = list(range(slots))
+        self._cond = threading.Condition()
+
+    def take(self, count: int, rng: random.Random) -> tuple[list[int], int]:
+        with self._cond:
+            while len(self._pages) < count or not self._slots:
+                self._cond.wait()
+            return [self._pages.pop(rng.randrange(len(self._pages))) for _ in range(count)], self._slots.pop()
+
+    def give(self, pages: Sequence[int], slot: int) -> None:
+        with self._cond:
+            self._pages.extend(pages)
+            self._slots.append(slot)
+            self._cond.notify_all()
+
+
+class _Side:
+    """One process's half of the simulation."""
+
+    def __init__(self, role: str, settings: dict[str, Any]) -> None:
+        import torch
+
+        import kvfsm
+        from kvfsm.backends import get_backend
+        from kvfsm.backends.base import KVPools
+        from kvfsm.backends.remote import RemoteBackend, RemoteConfig
+
+        self.torch, self.kvfsm, self.role, self.settings = torch, kvfsm, role, settings
+        timeouts = kvfsm.Timeouts(bootstrap=20.0, waiting=20.0, transferring=20.0, drain=5.0)
+        self.manager = kvfsm.TransferManager(role, timeouts=timeouts)
+        self.manager.start_reaper(0.05)
+        self.events: dict[int, threading.Event] = {}
+        self.manager.subscribe(self._wake)
+        pages = settings["concurrency"] * settings["pages"] * 2
+        floats = settings["page_size"] // (LAYERS * 2 * 4)
+        self.floats = floats
+        self.k = torch.zeros(LAYERS, pages, floats)
+        self.v = torch.zeros(LAYERS, pages, floats)
+        self.aux = torch.zeros(settings["concurrency"] * 2, AUX_BYTES, dtype=torch.uint8)
+        self.free = _FreeList(pages, settings["concurrency"] * 2)
+        backend_class = get_backend(settings["backend"])
+        if issubclass(backend_class, RemoteBackend):
+            config = RemoteConfig(heartbeat_interval=settings["heartbeat"], heartbeat_misses=4)
+            self.backend: KVBackend = backend_class(self.manager, config)
+        else:  # an in-process engine (the benchmark's local baseline)
+            self.backend = backend_class(self.manager)
+        self.backend.register_pools(KVPools.from_tensors(self.k, self.v, self.aux))
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def pattern(self, room: int) -> tuple[Any, Any, Any]:
+        torch = self.torch
+        generator = torch.Generator().manual_seed(room)
+        shape = (LAYERS, self.settings["pages"], self.floats)
+        k = torch.randn(shape, generator=generator)
+        v = torch.randn(shape, generator=generator)
+        aux = torch.randint(0, 256, (AUX_BYTES,), dtype=torch.uint8, generator=generator)
+        return k, v, aux
+
+    def _wake(self, change: Any) -> None:
+        event = self.events.get(change.room)
+        if event is not None:
+            event.set()
+
+    def wait(self, handle: Any, until: Any, limit: float = 60.0) -> None:
+        """Sleep until `until(handle)`, woken by the room's state changes (no busy polling)."""
+        event = self.events.setdefault(handle.room, threading.Event())
+        deadline = time.monotonic() + limit
+        while not until(handle) and time.monotonic() < deadline:
+            event.wait(0.05)
+            event.clear()
+            handle.poll()
+
+    def finish(self, handle: Any, room: int, pages: list[int], slot: int, result: dict[str, Any]) -> dict[str, Any]:
+        self.wait(handle, lambda h: h.is_terminal)
+        mismatch = int(self.manager.status(room) is not handle.state)
+        safe_limit = time.monotonic() + (self.manager.timeouts.drain or 5.0) + 5.0
+        while not handle.release_safe and time.monotonic() < safe_limit:
+            time.sleep(0.001)
+        released_unsafe = int(not handle.release_safe)
+        reason = handle.reason
+        result.update(
+            state=handle.state.name,
+            kind=reason.kind.value if reason else None,
+            latency=handle.transfer_latency,
+            nbytes=handle.nbytes,
+            mismatch=mismatch,
+            released_before_safe=released_unsafe,
+        )
+        self.manager.close(room)
+        self.events.pop(room, None)
+        if self.role == "receiver" and self.settings["verify"]:
+            # Scrub before the pages go back: a write landing after release would show up
+            # as a mismatch in the next room that gets these pages.
+            index = self.torch.tensor(pages)
+            self.k[:, index] = 0
+            self.v[:, index] = 0
+            self.aux[slot] = 0
+        self.free.give(pages, slot)
+        with self.lock:
+            self.done += 1
+        return result
+
+    def sender_request(self, room: int, address: str) -> dict[str, Any]:
+        settings, plan = self.settings, _plan(self.settings, room)
+        rng = random.Random(room)
+        pages, slot = self.free.take(settings["pages"], rng)
+        if settings["verify"]:
+            k, v, aux = self.pattern(room)
+            index = self.torch.tensor(pages)
+            self.k[:, index] = k
+            self.v[:, index] = v
+            self.aux[slot] = aux
+        handle = self.manager.open(room)
+        mine = plan["abort_side"] == "sender"
+        self.backend.bootstrap(handle, address)
+        if mine and plan["abort_step"] == 0:
+            handle.abort("simulated client abort")
+        self.wait(handle, lambda h: h.state is not self.kvfsm.KVPoll.Bootstrapping)
+        if handle.state is self.kvfsm.KVPoll.WaitingForInput:
+            # Chunks keep page order: the k-th page sent lands in the k-th page expected.
+            size = -(-len(pages) // settings["chunks"])
+            parts = [pages[i : i + size] for i in range(0, len(pages), size)] or [[]]
+            for number, part in enumerate(parts):
+                if mine and plan["abort_step"] == number + 1:
+                    handle.abort("simulated client abort")
+                if handle.is_terminal:
+                    break
+                last = number == len(parts) - 1
+                if last and plan["fails"]:
+                    handle.fail(
+                        self.kvfsm.FailureReason(self.kvfsm.FailureKind.TRANSFER_ERROR, "simulated transport error")
+                    )
+                    break
+                self.backend.send(handle, part, last=last, aux_index=slot if last else None)
+        return self.finish(handle, room, pages, slot, {"room": room})
+
+    def receiver_request(self, room: int, address: str) -> dict[str, Any]:
+        settings, plan = self.settings, _plan(self.settings, room)
+        rng = random.Random(room + 7)
+        pages, slot = self.free.take(settings["pages"], rng)
+        handle = self.manager.open(room)
+        mine = plan["abort_side"] == "receiver"
+        self.backend.bootstrap(handle, address)
+        if mine and plan["abort_step"] == 0:
+            handle.abort("simulated client abort")
+        self.wait(handle, lambda h: h.state is not self.kvfsm.KVPoll.Bootstrapping)
+        if handle.state is self.kvfsm.KVPoll.WaitingForInput:
+            self.backend.expect(handle, pages, slot)
+            if mine and plan["abort_step"] == 1:
+                handle.abort("simulated client abort")
+        self.wait(handle, lambda h: h.is_terminal)
+        checked = bad = 0
+        if handle.state is self.kvfsm.KVPoll.Success and settings["verify"]:
+            k, v, aux = self.pattern(room)
+            index = self.torch.tensor(pages)
+            for position in range(len(pages)):
+                checked += 1
+                got_k, got_v = self.k[:, index[position]], self.v[:, index[position]]
+                if not (self.torch.equal(got_k, k[:, position]) and self.torch.equal(got_v, v[:, position])):
+                    bad += 1
+            if not self.torch.equal(self.aux[slot], aux):
+                bad += 1
+        return self.finish(handle, room, pages, slot, {"room": room, "checked": checked, "bad": bad})
+
+
+def _child(role: str, settings: dict[str, Any], conn: Connection) -> None:
+    logging.basicConfig(level=settings["log_level"], format=f"[{role}] %(levelname)s %(name)s: %(message)s")
+    try:
+        side = _Side(role, settings)
+        conn.send(("address", side.backend.address))
+        _go, prefill_address = conn.recv()
+        rooms = range(settings["requests"])
+        work = side.sender_request if role == "sender" else side.receiver_request
+        progress = settings["progress"] and role == "receiver"
+        stop = threading.Event()
+        if progress:
+            threading.Thread(target=_progress, args=(side, settings["requests"], stop), daemon=True).start()
+        with ThreadPoolExecutor(settings["concurrency"]) as pool:
+            results = list(pool.map(lambda room: work(room, prefill_address), rooms))
+        stop.set()
+        report = {
+            "results": results,
+            "left_open": len(side.manager),
+            "late_events": side.manager.stats.late_events,
+        }
+        side.backend.close()
+        conn.send(("report", report))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: NIXL's bundled libraries may crash there.
+        os._exit(0)
+
+
+def _progress(side: _Side, total: int, stop: threading.Event) -> None:
+    start = time.monotonic()
+    while not stop.wait(2.0):
+        rate = side.done / max(time.monotonic() - start, 1e-9)
+        sys.stderr.write(f"simulate [{side.settings['backend']}] {side.done}/{total} {rate:.0f} req/s\n")
+        sys.stderr.flush()
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+
+def _receive(conn: Connection, what: str, limit: float) -> Any:
+    if not conn.poll(limit):
+        raise RuntimeError(f"simulate: the {what} process did not answer within {limit:.0f}s")
+    kind, value = conn.recv()
+    if kind == "error":
+        raise RuntimeError(f"simulate: the {what} process failed:\n{value}")
+    return value
+
+
+def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run the cross-process simulation described by `args`; return the summary dict."""
+    settings = _settings(args)
+    if settings["backend"] not in REMOTE_BACKENDS:
+        raise ValueError(f"simulate_remote runs {', '.join(REMOTE_BACKENDS)}; got {settings['backend']!r}")
+    ctx = multiprocessing.get_context("spawn")
+    pipes = {role: ctx.Pipe() for role in ("sender", "receiver")}
+    processes = {
+        role: ctx.Process(
+            target=_child, args=(role, settings, pipes[role][1]), name=f"kvfsm-simulate-{role}", daemon=True
+        )
+        for role in pipes
+    }
+    for process in processes.values():
+        process.start()
+    try:
+        addresses = {role: _receive(pipes[role][0], role, 120.0) for role in pipes}
+        start = time.perf_counter()
+        for role in pipes:
+            pipes[role][0].send(("go", addresses["sender"]))
+        limit = 120.0 + settings["requests"] * 0.5
+        reports = {role: _receive(pipes[role][0], role, limit) for role in pipes}
+        elapsed = time.perf_counter() - start
+    finally:
+        for process in processes.values():
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    summary = _summary(settings, reports, elapsed)
+    _print(summary, out)
+    json_path = _arg(args, "json", None)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)
+    return summary
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(settings: dict[str, Any], reports: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    """The `kvfsm.simulate` summary format, from the two processes' reports."""
+    sender: dict[int, dict[str, Any]] = {r["room"]: r for r in reports["sender"]["results"]}
+    receiver: dict[int, dict[str, Any]] = {r["room"]: r for r in reports["receiver"]["results"]}
+    rooms = sorted(set(sender) | set(receiver))
+    successes = [receiver[r] for r in rooms if receiver[r]["state"] == "Success"]
+    latencies = [r["latency"] for r in successes if r["latency"] is not None]
+    rates = [r["nbytes"] / r["latency"] / 1e9 for r in successes if r["latency"]]
+    total_bytes = sum(r["nbytes"] for r in successes)
+    verification = {
+        "pages_not_identical": sum(receiver[r]["bad"] for r in rooms),
+        "rooms_left_open": reports["sender"]["left_open"] + reports["receiver"]["left_open"],
+        "status_handle_mismatches": sum(sender[r]["mismatch"] + receiver[r]["mismatch"] for r in rooms),
+        "released_before_safe": sum(
+            sender[r]["released_before_safe"] + receiver[r]["released_before_safe"] for r in rooms
+        ),
+    }
+    return {
+        "backend": settings["backend"],
+        "requests": len(rooms),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(rooms) / elapsed if elapsed > 0 else None,
+        "config": {k: v for k, v in settings.items() if k not in ("progress", "log_level")} | {"processes": 2},
+        "final_states": {
+            "sender": dict(Counter(sender[r]["state"] for r in rooms)),
+            "receiver": dict(Counter(receiver[r]["state"] for r in rooms)),
+        },
+        "failure_kinds": {
+            "sender": dict(Counter(sender[r]["kind"] for r in rooms if sender[r]["kind"])),
+            "receiver": dict(Counter(receiver[r]["kind"] for r in rooms if receiver[r]["kind"])),
+        },
+        "latency_s": {
+            "p50": _percentile(latencies, 0.5),
+            "p99": _percentile(latencies, 0.99),
+            "mean": sum(latencies) / len(latencies) if latencies else None,
+            "max": max(latencies) if latencies else None,
+        },
+        "throughput": {
+            "bytes": total_bytes,
+            "gb_per_s": total_bytes / elapsed / 1e9 if elapsed > 0 else None,
+            "per_transfer_gb_per_s": {"p50": _percentile(rates, 0.5), "p99": _percentile(rates, 0.99)},
+        },
+        "pages_checked": sum(receiver[r]["checked"] for r in rooms),
+        "late_events": reports["sender"]["late_events"] + reports["receiver"]["late_events"],
+        "sides_disagree": sum(
+            1 for r in rooms if (sender[r]["state"] == "Success") != (receiver[r]["state"] == "Success")
+        ),
+        "verification": verification,
+        "ok": all(v == 0 for v in verification.values()),
+        "metrics": {},
+    }
+
+
+def _print(summary: dict[str, Any], out: TextIO) -> None:
+    # The shared renderer, where the data plane's simulate provides it.
+    from . import simulate
+
+    render = getattr(simulate, "print_summary", None)
+    if render is not None:
+        render(summary, out)
+        return
+    out.write(json.dumps(summary, indent=2) + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    return 0 if simulate_remote(args)["ok"] else 1

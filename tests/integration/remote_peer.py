@@ -1,0 +1,260 @@
+"""One kvfsm endpoint in its own process, driven step by step over a pipe.
+
+The two-process engine tests start a prefill peer and a decode peer with
+`PeerProcess(engine, role)` and call methods on them (`open`, `bootstrap`,
+`expect`, `send`, `abort`, `wait`, `read`, ...); each call runs in the child
+and returns plain data. The child never lets the interpreter run its exit
+handlers (NIXL's bundled libraries can crash there), and the parent can
+`kill()` it to play a crashed process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfsm.backends.remote import RemoteBackend
+
+PAGES = 32
+PAGE_FLOATS = 1024  # 4 KiB per page per region
+LAYERS = 2
+AUX_SLOTS = 8
+AUX_BYTES = 64
+CALL_TIMEOUT = 30.0
+
+
+def engine_missing(engine: str) -> str | None:
+    """Why `engine` cannot be imported here, or None when it can (checked in a child: NIXL's exit)."""
+    code = {
+        "mooncake": "from mooncake.engine import TransferEngine",
+        "nixl": "import os; os.environ.setdefault('UCX_MODULES', '^ib,rdmacm'); from nixl._api import nixl_agent",
+    }[engine]
+    import subprocess
+
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import zmq, torch; {code}; import os; os._exit(0)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if probe.returncode == 0:
+        return None
+    return f"{engine} cannot be imported here: {probe.stderr.strip().splitlines()[-1:] or probe.returncode}"
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PeerProcess:
+    """A child process running one endpoint; methods are remote calls."""
+
+    def __init__(self, engine: str, role: str, heartbeat: float = 0.1, misses: int = 3, drain: float = 5.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child_main, args=(child, engine, role, heartbeat, misses, drain), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The endpoint's control address (the first call waits for the child to be ready)."""
+        if self._address is None:
+            self._address = str(self._call("address", timeout=120.0))
+        return self._address
+
+    def _call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        self._conn.send((name, args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer call {name}{args} did not answer in {timeout}s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"peer call {name}{args} failed in the child:\n{value}")
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kw: self._call(name, *args, **kw)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("exit", ()))
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
+
+
+# -- the child ---------------------------------------------------------------------------
+
+
+def _child_main(conn: Connection, engine: str, role: str, heartbeat: float, misses: int, drain: float) -> None:
+    logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
+    try:
+        endpoint = _Endpoint(engine, role, heartbeat, misses, drain)
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        conn.close()
+        os._exit(1)
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if name == "exit":
+            break
+        try:
+            conn.send((True, getattr(endpoint, name)(*args)))
+        except Exception:
+            conn.send((False, traceback.format_exc()))
+    with contextlib.suppress(Exception):
+        endpoint.backend.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class _Endpoint:
+    def __init__(self, engine: str, role: str, heartbeat: float, misses: int, drain: float) -> None:
+        import torch
+
+        import kvfsm
+        from kvfsm.backends import get_backend
+        from kvfsm.backends.base import KVPools
+        from kvfsm.backends.remote import RemoteBackend, RemoteConfig
+
+        self.kvfsm = kvfsm
+        self.torch = torch
+        timeouts = kvfsm.Timeouts(bootstrap=30.0, waiting=30.0, transferring=30.0, drain=drain)
+        self.manager = kvfsm.TransferManager(role, timeouts=timeouts)
+        self.manager.start_reaper(0.05)
+        generator = torch.Generator().manual_seed(1234 if role == "sender" else 99)
+        self.k = torch.randn(LAYERS, PAGES, PAGE_FLOATS, generator=generator)
+        self.v = torch.randn(LAYERS, PAGES, PAGE_FLOATS, generator=generator)
+        self.aux = torch.randint(0, 255, (AUX_SLOTS, AUX_BYTES), dtype=torch.uint8, generator=generator)
+        config = RemoteConfig(heartbeat_interval=heartbeat, heartbeat_misses=misses)
+        backend_class = get_backend(engine)
+        assert issubclass(backend_class, RemoteBackend)
+        self.backend: RemoteBackend = backend_class(self.manager, config)
+        self.backend.register_pools(KVPools.from_tensors(self.k, self.v, self.aux))
+        self.handles: dict[Any, Any] = {}
+
+    def address(self) -> str:
+        return str(self.backend.address)
+
+    def open(self, room: Any) -> str:
+        self.handles[room] = self.manager.open(room)
+        return str(self.handles[room].state.name)
+
+    def bootstrap(self, room: Any, peer: str) -> str:
+        handle = self.handles[room]
+        self.backend.bootstrap(handle, peer)
+        return str(handle.state.name)
+
+    def expect(self, room: Any, pages: list[int], aux: int | None) -> str:
+        self.backend.expect(self.handles[room], pages, aux)
+        return str(self.handles[room].state.name)
+
+    def send(self, room: Any, pages: list[int], last: bool, aux: int | None) -> str:
+        self.backend.send(self.handles[room], pages, last=last, aux_index=aux)
+        return str(self.handles[room].state.name)
+
+    def abort(self, room: Any) -> dict[str, Any]:
+        handle = self.handles[room]
+        acks = self.backend.remote_stats.abort_acks_received
+        handle.abort("test abort")
+        # Read at once, gate first: if it is open, it was the peer's ABORT_ACK (counted
+        # before the gate opens) or nothing had been sent; `acked` tells which.
+        safe = handle.release_safe
+        return {
+            "state": handle.state.name,
+            "release_safe": safe,
+            "acked": self.backend.remote_stats.abort_acks_received > acks,
+        }
+
+    def info(self, room: Any) -> dict[str, Any]:
+        handle = self.handles[room]
+        reason = handle.reason
+        return {
+            "state": handle.state.name,
+            "status": self.manager.status(room).name,
+            "kind": reason.kind.value if reason else None,
+            "from_peer": reason.from_peer if reason else None,
+            "message": reason.message if reason else None,
+            "release_safe": handle.release_safe,
+            "nbytes": handle.nbytes,
+            "chunks": handle.chunks,
+        }
+
+    def wait(self, room: Any, states: list[str], timeout: float) -> dict[str, Any]:
+        """Wait until the room is in one of `states`; returns info plus the seconds waited."""
+        start = time.monotonic()
+        handle = self.handles[room]
+        while handle.state.name not in states and time.monotonic() - start < timeout:
+            time.sleep(0.002)
+        return {**self.info(room), "waited": time.monotonic() - start}
+
+    def wait_safe(self, room: Any, timeout: float) -> dict[str, Any]:
+        start = time.monotonic()
+        handle = self.handles[room]
+        while not handle.release_safe and time.monotonic() - start < timeout:
+            time.sleep(0.002)
+        return {**self.info(room), "waited": time.monotonic() - start}
+
+    def close(self, room: Any) -> None:
+        self.manager.close(room)
+        del self.handles[room]
+
+    def read(self, pages: list[int], aux: int | None) -> tuple[bytes, bytes, bytes]:
+        torch = self.torch
+        index = torch.tensor(pages, dtype=torch.long)
+        k = self.k.index_select(1, index).contiguous().numpy().tobytes()
+        v = self.v.index_select(1, index).contiguous().numpy().tobytes()
+        a = self.aux[aux].numpy().tobytes() if aux is not None else b""
+        return k, v, a
+
+    def stats(self) -> dict[str, Any]:
+        control = self.backend.control.stats
+        remote = self.backend.remote_stats
+        return {
+            "control": {
+                k: getattr(control, k)
+                for k in ("received", "malformed", "bad_version", "unknown_type", "handler_errors", "peers_lost")
+            },
+            "dropped": control.dropped,
+            "stale_messages": remote.stale_messages,
+            "peers_lost": remote.peers_lost,
+            "late_events": self.manager.stats.late_events,
+            "control_running": self.backend.control.running,
+        }
+
+    def send_raw(self, addr: str, frames: list[bytes]) -> None:
+        self.backend.control.send_raw(addr, frames)
+
+    def send_message(self, addr: str, kind: str, fields: dict[str, Any]) -> None:
+        import json
+
+        from kvfsm.backends.control import MAGIC
+
+        header = {"type": kind, "from": self.backend.control.endpoint_id, "addr": self.backend.address, **fields}
+        self.backend.control.send_raw(addr, [MAGIC, json.dumps(header).encode()])

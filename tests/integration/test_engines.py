@@ -1,0 +1,254 @@
+"""Two processes on 127.0.0.1 per engine: a prefill and a decode endpoint.
+
+Each engine gets one long-lived pair of processes (module scope) for the
+happy paths, aborts and malformed traffic, and one fresh pair that the
+kill test destroys. Every wait is bounded; every process is stopped.
+Skipped, with the import error, where an engine cannot be imported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from .remote_peer import PeerProcess, engine_missing, free_port
+
+pytest.importorskip("zmq", reason="pyzmq is needed for the control plane")
+pytest.importorskip("torch", reason="torch is needed for the KV pools")
+
+ENGINES = ["mooncake", "nixl"]
+WAIT = 10.0
+_rooms = itertools.count(1000)
+
+
+class Pair:
+    def __init__(self, engine: str, heartbeat: float = 0.1) -> None:
+        self.engine = engine
+        self.prefill = PeerProcess(engine, "sender", heartbeat=heartbeat)
+        self.decode = PeerProcess(engine, "receiver", heartbeat=heartbeat)
+        try:
+            # Both children start in parallel; these wait until each is ready.
+            assert self.prefill.address
+            assert self.decode.address
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.decode.stop()
+        self.prefill.stop()
+
+    def connect(self, room: int, dst: list[int], aux: int | None = 1) -> None:
+        """Open the room on both sides and run the handshake up to WaitingForInput on both."""
+        self.prefill.open(room)
+        self.decode.open(room)
+        self.prefill.bootstrap(room, self.prefill.address)
+        self.decode.bootstrap(room, self.prefill.address)
+        assert self.decode.wait(room, ["WaitingForInput"], WAIT)["state"] == "WaitingForInput"
+        self.decode.expect(room, dst, aux)
+        assert self.prefill.wait(room, ["WaitingForInput"], WAIT)["state"] == "WaitingForInput"
+
+    def close(self, room: int) -> None:
+        self.prefill.close(room)
+        self.decode.close(room)
+
+
+_missing: dict[str, str | None] = {}
+
+
+def _skip_if_missing(engine: str) -> None:
+    if engine not in _missing:
+        _missing[engine] = engine_missing(engine)
+    if _missing[engine]:
+        pytest.skip(str(_missing[engine]))
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    _skip_if_missing(request.param)
+    pair = Pair(request.param)
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+def _assert_landed(pair: Pair, src: list[int], dst: list[int], src_aux: int | None, dst_aux: int | None) -> None:
+    sent = pair.prefill.read(src, src_aux)
+    got = pair.decode.read(dst, dst_aux)
+    assert got[0] == sent[0], "K pages differ"
+    assert got[1] == sent[1], "V pages differ"
+    assert got[2] == sent[2], "aux slot differs"
+
+
+def test_happy_path_is_byte_exact(pair: Pair) -> None:
+    room = next(_rooms)
+    src, dst = [0, 1, 2, 3], [8, 9, 10, 11]
+    pair.connect(room, dst, aux=2)
+    pair.prefill.send(room, src, True, 5)
+    decode = pair.decode.wait(room, ["Success", "Failed"], WAIT)
+    prefill = pair.prefill.wait(room, ["Success", "Failed"], WAIT)
+    assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
+    assert decode["nbytes"] == prefill["nbytes"] == len(src) * 2 * 2 * 4096
+    assert decode["release_safe"]
+    assert prefill["release_safe"]
+    _assert_landed(pair, src, dst, 5, 2)
+    pair.close(room)
+
+
+def test_chunked_transfer_with_scattered_pages(pair: Pair) -> None:
+    room = next(_rooms)
+    src = [4, 5, 6, 20, 21, 7, 30]
+    dst = [0, 1, 2, 3, 12, 13, 31]
+    pair.connect(room, dst, aux=3)
+    pair.prefill.send(room, src[:3], False, None)
+    pair.prefill.send(room, src[3:5], False, None)
+    pair.prefill.send(room, src[5:], True, 0)
+    decode = pair.decode.wait(room, ["Success", "Failed"], WAIT)
+    prefill = pair.prefill.wait(room, ["Success", "Failed"], WAIT)
+    assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
+    assert decode["chunks"] == prefill["chunks"] == 3
+    assert decode["nbytes"] == prefill["nbytes"]
+    _assert_landed(pair, src, dst, 0, 3)
+    pair.close(room)
+
+
+@pytest.mark.parametrize("state", ["Bootstrapping", "WaitingForInput", "Transferring"])
+def test_decode_abort(pair: Pair, state: str) -> None:
+    room = next(_rooms)
+    if state == "Bootstrapping":
+        # A prefill that has not answered the handshake yet (nothing listens there).
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        pair.decode.open(room)
+        assert pair.decode.bootstrap(room, silent) == "Bootstrapping"
+        now = pair.decode.abort(room)
+        # The prefill never learnt where to write: the pages are safe at once.
+        assert now == {"state": "Failed", "release_safe": True, "acked": False}
+        pair.decode.close(room)
+        return
+    pair.connect(room, [0, 1, 2, 3], aux=None)
+    if state == "Transferring":
+        pair.prefill.send(room, [0, 1], False, None)
+        assert pair.decode.wait(room, ["Transferring"], WAIT)["state"] == "Transferring"
+    now = pair.decode.abort(room)
+    assert now["state"] == "Failed"
+    assert now["acked"] or not now["release_safe"], "pages must wait for the prefill's ABORT_ACK"
+    prefill = pair.prefill.wait(room, ["Failed"], WAIT)
+    assert prefill["state"] == "Failed"
+    assert (prefill["kind"], prefill["from_peer"]) == ("aborted", True)
+    decode = pair.decode.wait_safe(room, WAIT)
+    assert decode["release_safe"], "the ABORT_ACK should have opened the release gate"
+    assert decode["waited"] < 5.0, "released by the ACK, not by the 5 s drain deadline"
+    # A late chunk from the prefill's scheduler changes nothing on either side.
+    pair.prefill.send(room, [2, 3], True, None)
+    assert pair.decode.info(room)["state"] == "Failed"
+    pair.close(room)
+
+
+@pytest.mark.parametrize("state", ["Bootstrapping", "WaitingForInput", "Transferring"])
+def test_prefill_abort(pair: Pair, state: str) -> None:
+    room = next(_rooms)
+    if state == "Bootstrapping":
+        pair.prefill.open(room)
+        pair.prefill.bootstrap(room, pair.prefill.address)
+        now = pair.prefill.abort(room)
+        assert now["state"] == "Failed"
+        pair.decode.open(room)
+        pair.decode.bootstrap(room, pair.prefill.address)
+        assert pair.decode.wait(room, ["WaitingForInput"], WAIT)["state"] == "WaitingForInput"
+        pair.decode.expect(room, [0, 1], None)
+        # The decode's pages reach a prefill that gave up: it answers ABORT, nothing hangs.
+        decode = pair.decode.wait(room, ["Failed"], WAIT)
+        assert (decode["kind"], decode["from_peer"]) == ("aborted", True)
+        assert pair.decode.wait_safe(room, WAIT)["release_safe"]
+        pair.close(room)
+        return
+    pair.connect(room, [4, 5, 6, 7], aux=None)
+    if state == "Transferring":
+        pair.prefill.send(room, [0, 1], False, None)
+        assert pair.decode.wait(room, ["Transferring"], WAIT)["state"] == "Transferring"
+    assert pair.prefill.abort(room)["state"] == "Failed"
+    decode = pair.decode.wait(room, ["Failed"], WAIT)
+    assert decode["state"] == "Failed"
+    assert (decode["kind"], decode["from_peer"]) == ("aborted", True)
+    assert pair.decode.wait_safe(room, WAIT)["release_safe"]
+    assert pair.prefill.info(room)["release_safe"]
+    pair.close(room)
+
+
+def test_malformed_control_messages_are_dropped(pair: Pair) -> None:
+    live = next(_rooms)
+    pair.connect(live, [20, 21], aux=None)
+    before_prefill, before_decode = pair.prefill.stats(), pair.decode.stats()
+    bad = [
+        [b"HELLO"],  # one frame
+        [b"NOT-KVFSM", b"{}"],  # wrong magic
+        [b"KVFSM/9", b"{}"],  # a future version
+        [b"KVFSM/1", b"\xff\xfe not json"],
+        [b"KVFSM/1", b"[1, 2]"],  # not an object
+        [b"KVFSM/1", json.dumps({"type": "FROB", "from": "x", "addr": "tcp://127.0.0.1:1"}).encode()],
+        [
+            b"KVFSM/1",
+            json.dumps({"type": "ABORT", "from": "x", "addr": "tcp://127.0.0.1:1"}).encode(),
+        ],  # fields missing
+        [
+            b"KVFSM/1",
+            json.dumps(
+                {"type": "ROOM", "from": "x", "addr": "y", "room": live, "token": "t", "pages": [-1], "aux": None}
+            ).encode(),
+        ],
+        [b"KVFSM/1", b"{}", b"blob", b"extra"],  # four frames
+    ]
+    for frames in bad:
+        pair.decode.send_raw(pair.prefill.address, frames)
+        pair.prefill.send_raw(pair.decode.address, frames)
+    # Well-formed but naming the live room with a wrong token: must not touch it.
+    pair.decode.send_message(
+        pair.prefill.address, "ABORT", {"room": live, "token": "not-the-token", "kind": "aborted", "message": "forged"}
+    )
+    pair.prefill.send_message(
+        pair.decode.address, "ABORT", {"room": live, "token": "not-the-token", "kind": "aborted", "message": "forged"}
+    )
+    pair.prefill.send_message(pair.decode.address, "DONE", {"room": live, "token": "not-the-token", "nbytes": 1})
+    # The pair still works, and the live room was not changed by any of it.
+    pair.prefill.send(live, [0, 1], True, None)
+    decode = pair.decode.wait(live, ["Success", "Failed"], WAIT)
+    prefill = pair.prefill.wait(live, ["Success", "Failed"], WAIT)
+    assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
+    after_prefill, after_decode = pair.prefill.stats(), pair.decode.stats()
+    for before, after in ((before_prefill, after_prefill), (before_decode, after_decode)):
+        assert after["dropped"] - before["dropped"] == len(bad)
+        assert after["control"]["bad_version"] - before["control"]["bad_version"] == 1
+        assert after["control"]["unknown_type"] - before["control"]["unknown_type"] == 1
+        assert after["control"]["handler_errors"] == before["control"]["handler_errors"]
+        assert after["control_running"]
+    assert after_decode["stale_messages"] - before_decode["stale_messages"] == 2
+    pair.close(live)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_prefill_fails_decode_rooms_with_peer_lost(engine: str) -> None:
+    _skip_if_missing(engine)
+    heartbeat, misses = 0.1, 3
+    pair = Pair(engine, heartbeat=heartbeat)
+    try:
+        waiting, moving = next(_rooms), next(_rooms)
+        pair.connect(waiting, [0, 1], aux=None)
+        pair.connect(moving, [2, 3, 4, 5], aux=None)
+        pair.prefill.send(moving, [8, 9], False, None)
+        assert pair.decode.wait(moving, ["Transferring"], WAIT)["state"] == "Transferring"
+        pair.prefill.kill()
+        window = heartbeat * misses
+        for room in (waiting, moving):
+            decode = pair.decode.wait(room, ["Failed"], WAIT)
+            assert decode["state"] == "Failed"
+            assert decode["kind"] == "peer_lost", decode
+            # Bounded: the window plus the heartbeat tick and scheduling slack on a busy CI box.
+            assert decode["waited"] < window + 2.0, decode
+            # A peer we cannot hear may still write: the drain deadline (5 s here) decides.
+            assert not decode["release_safe"]
+    finally:
+        pair.stop()

@@ -1,0 +1,319 @@
+"""`RemoteBackend` with a scripted engine: statuses the real engines rarely show on demand.
+
+Both endpoints live in this process and talk over the real ZeroMQ control
+plane on 127.0.0.1; the engine is a stand-in whose jobs report whatever
+the test scripts (pending, Mooncake's non-sticky TIMEOUT, failure, a
+failure that does not prove the writes stopped) and copy bytes with
+`ctypes.memmove` when they report done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq is needed for the control plane")
+torch = pytest.importorskip("torch", reason="torch is needed for the KV pools")
+
+import kvfsm  # noqa: E402
+from kvfsm.backends.base import KVPools, MemoryRegion  # noqa: E402
+from kvfsm.backends.remote import (  # noqa: E402
+    EngineAdapter,
+    EngineJob,
+    RemoteBackend,
+    RemoteConfig,
+    Write,
+)
+
+WAIT = 5.0
+
+
+class ScriptedJob(EngineJob):
+    def __init__(self, writes: list[Write], script: deque[str]) -> None:
+        self.writes = writes
+        self.script = script
+        self.copied = False
+        self.released = False
+        self.cancellable = False
+        self.detail = f"{len(writes)} writes"
+
+    def poll(self) -> str:
+        status = self.script.popleft() if self.script else "done"
+        if status == "done" and not self.copied:
+            for src, dst, length in self.writes:
+                ctypes.memmove(dst, src, length)
+            self.copied = True
+        if status == "undrained":
+            self.may_still_land = True
+            return "failed"
+        return status
+
+    def cancel(self) -> bool:
+        return self.cancellable
+
+    def release(self) -> None:
+        self.released = True
+
+
+class ScriptedEngine(EngineAdapter):
+    name = "scripted"
+    notifies_receiver = False
+
+    def __init__(self) -> None:
+        self.scripts: deque[deque[str]] = deque()
+        self.jobs: list[ScriptedJob] = []
+        self.lock = threading.Lock()
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        return
+
+    def session(self) -> tuple[dict[str, Any], bytes | None]:
+        return {}, None
+
+    def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        return "peer"
+
+    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+        with self.lock:
+            script = self.scripts.popleft() if self.scripts else deque()
+            job = ScriptedJob(writes, script)
+            self.jobs.append(job)
+        return job
+
+
+class ScriptedBackend(RemoteBackend):
+    name = "scripted"
+
+    def __init__(self, manager: kvfsm.TransferManager, timeout_fails: bool = False) -> None:
+        self.timeout_is_failure = timeout_fails
+        super().__init__(manager, RemoteConfig(heartbeat_interval=0.1, heartbeat_misses=3))
+
+    def _make_engine(self) -> EngineAdapter:
+        return ScriptedEngine()
+
+    def _timeout_fails(self) -> bool:
+        return self.timeout_is_failure
+
+
+class Pair:
+    def __init__(self, timeout_fails: bool = False, drain: float = 30.0) -> None:
+        timeouts = kvfsm.Timeouts(drain=drain)
+        self.sender = kvfsm.TransferManager("sender", timeouts=timeouts)
+        self.receiver = kvfsm.TransferManager("receiver", timeouts=timeouts)
+        self.pools = {
+            role: (torch.zeros(2, 16, 256), torch.zeros(2, 16, 256), torch.zeros(4, 32, dtype=torch.uint8))
+            for role in ("sender", "receiver")
+        }
+        for k, v, aux in [self.pools["sender"]]:
+            k.normal_()
+            v.normal_()
+            aux.fill_(9)
+        self.send_backend = ScriptedBackend(self.sender, timeout_fails)
+        self.recv_backend = ScriptedBackend(self.receiver)
+        self.send_backend.register_pools(KVPools.from_tensors(*self.pools["sender"]))
+        self.recv_backend.register_pools(KVPools.from_tensors(*self.pools["receiver"]))
+
+    @property
+    def engine(self) -> ScriptedEngine:
+        engine = self.send_backend.engine
+        assert isinstance(engine, ScriptedEngine)
+        return engine
+
+    def connect(self, room: int, dst: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
+        send, recv = self.sender.open(room), self.receiver.open(room)
+        self.send_backend.bootstrap(send, self.send_backend.address)
+        self.recv_backend.bootstrap(recv, self.send_backend.address)
+        assert wait_for(lambda: recv.state is kvfsm.KVPoll.WaitingForInput)
+        self.recv_backend.expect(recv, dst, 1)
+        assert wait_for(lambda: send.state is kvfsm.KVPoll.WaitingForInput)
+        return send, recv
+
+    def close(self) -> None:
+        self.send_backend.close()
+        self.recv_backend.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.002)
+    return predicate()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_pages_land_in_order_and_the_aux_slot_last(pair: Pair) -> None:
+    send, recv = pair.connect(1, [3, 4, 9])
+    pair.send_backend.send(send, [0, 1], last=False)
+    pair.send_backend.send(send, [2], last=True, aux_index=2)
+    assert wait_for(lambda: recv.is_terminal)
+    assert (send.state, recv.state) == (kvfsm.KVPoll.Success, kvfsm.KVPoll.Success)
+    sk, sv, saux = pair.pools["sender"]
+    rk, rv, raux = pair.pools["receiver"]
+    assert torch.equal(rk[:, [3, 4, 9]], sk[:, [0, 1, 2]])
+    assert torch.equal(rv[:, [3, 4, 9]], sv[:, [0, 1, 2]])
+    assert torch.equal(raux[1], saux[2])
+    # 4 regions (k0, v0, k1, v1). Chunk 1: pages 0,1 -> 3,4 coalesce into one run per
+    # region; chunk 2: page 2 -> 9, one run per region; then the one aux region.
+    assert [len(job.writes) for job in pair.engine.jobs] == [4, 4, 1]
+    assert [w[2] for w in pair.engine.jobs[0].writes] == [2 * 1024] * 4
+    assert recv.nbytes == send.nbytes == 3 * 4 * 1024
+
+
+def test_mooncake_style_timeout_is_not_a_failure_by_default(pair: Pair) -> None:
+    send, recv = pair.connect(2, [0, 1])
+    pair.engine.scripts.append(deque(["pending", "timeout", "timeout", "pending", "done"]))
+    pair.send_backend.send(send, [0, 1], last=True)
+    assert wait_for(lambda: recv.is_terminal)
+    assert recv.state is kvfsm.KVPoll.Success
+    assert pair.send_backend.remote_stats.engine_timeouts == 2
+
+
+def test_timeout_fails_the_room_when_asked_but_drain_waits_for_the_write() -> None:
+    pair = Pair(timeout_fails=True)
+    try:
+        send, recv = pair.connect(3, [0, 1])
+        script = deque(["timeout"] + ["pending"] * 100000)
+        pair.engine.scripts.append(script)
+        pair.send_backend.send(send, [0, 1], last=True)
+        assert wait_for(lambda: send.is_terminal)
+        assert send.reason is not None
+        assert send.reason.kind is kvfsm.FailureKind.TRANSFER_ERROR
+        assert "TIMEOUT" in send.reason.message
+        assert wait_for(lambda: recv.state is kvfsm.KVPoll.Failed)
+        assert recv.reason is not None
+        assert recv.reason.kind is kvfsm.FailureKind.PEER_FAILED
+        time.sleep(0.1)
+        # The write may still land: neither side is release-safe yet.
+        assert not send.release_safe
+        assert not recv.release_safe
+        script.clear()  # the write ends
+        assert wait_for(lambda: recv.release_safe), "ABORT_ACK after the write ended opens the decode's gate"
+        assert send.release_safe
+    finally:
+        pair.close()
+
+
+def test_failure_that_may_still_land_never_acks() -> None:
+    pair = Pair(drain=0.3)
+    try:
+        send, recv = pair.connect(4, [0, 1])
+        pair.engine.scripts.append(deque(["undrained"]))
+        pair.send_backend.send(send, [0, 1], last=True)
+        assert wait_for(lambda: recv.is_terminal)
+        assert recv.state is kvfsm.KVPoll.Failed
+        time.sleep(0.1)
+        assert pair.send_backend.remote_stats.abort_acks_sent == 0
+        assert not recv.release_safe
+        # Only the drain deadline releases it.
+        assert wait_for(lambda: recv.release_safe)
+        assert pair.receiver.stats.drain_deadline_releases >= 1
+    finally:
+        pair.close()
+
+
+def test_decode_abort_mid_transfer_waits_for_the_write_then_acks(pair: Pair) -> None:
+    send, recv = pair.connect(5, [0, 1, 2, 3])
+    script = deque(["pending"] * 100000)
+    pair.engine.scripts.append(script)
+    pair.send_backend.send(send, [0, 1], last=False)
+    assert wait_for(lambda: len(pair.engine.jobs) == 1)
+    recv.abort("client went away")
+    assert recv.state is kvfsm.KVPoll.Failed
+    assert wait_for(lambda: send.state is kvfsm.KVPoll.Failed)
+    assert send.reason is not None
+    assert send.reason.from_peer
+    time.sleep(0.1)
+    assert not recv.release_safe, "the prefill's write is still in flight"
+    script.clear()
+    assert wait_for(lambda: recv.release_safe)
+    assert pair.send_backend.remote_stats.abort_acks_sent == 1
+    # Nothing more is issued for the aborted room.
+    pair.send_backend.send(send, [2, 3], last=True)
+    time.sleep(0.05)
+    assert len(pair.engine.jobs) == 1
+
+
+def test_duplicate_room_from_another_decode_transfer_is_refused(pair: Pair) -> None:
+    send, recv = pair.connect(6, [0])
+    other = kvfsm.TransferManager("receiver")
+    other_backend = ScriptedBackend(other)
+    try:
+        other_backend.register_pools(KVPools.from_tensors(*pair.pools["receiver"]))
+        dup = other.open(6)
+        other_backend.bootstrap(dup, pair.send_backend.address)
+        assert wait_for(lambda: dup.state is kvfsm.KVPoll.WaitingForInput)
+        other_backend.expect(dup, [5], None)
+        assert wait_for(lambda: dup.is_terminal)
+        assert dup.reason is not None
+        assert dup.reason.kind is kvfsm.FailureKind.BOOTSTRAP_ERROR
+        assert "already in use" in dup.reason.message
+        # The live room was not touched.
+        assert send.state is kvfsm.KVPoll.WaitingForInput
+        assert recv.state is kvfsm.KVPoll.WaitingForInput
+    finally:
+        other_backend.close()
+
+
+def test_prefill_closing_fails_its_rooms_and_the_decode_learns_why(pair: Pair) -> None:
+    _send, recv = pair.connect(7, [0])
+    pair.send_backend.close()
+    assert wait_for(lambda: recv.is_terminal)
+    assert recv.reason is not None
+    assert recv.reason.kind is kvfsm.FailureKind.PEER_FAILED
+    assert recv.reason.from_peer
+
+
+def test_prefill_that_says_bye_fails_the_other_decode_rooms_with_peer_lost(pair: Pair) -> None:
+    # A decode room the prefill has not opened yet: only the BYE can tell the decode.
+    recv = pair.receiver.open(9)
+    pair.recv_backend.bootstrap(recv, pair.send_backend.address)
+    assert wait_for(lambda: recv.state is kvfsm.KVPoll.WaitingForInput)
+    pair.recv_backend.expect(recv, [2], None)
+    pair.send_backend.close()
+    assert wait_for(lambda: recv.is_terminal)
+    assert recv.reason is not None
+    assert recv.reason.kind is kvfsm.FailureKind.PEER_LOST
+    assert "BYE" in recv.reason.message
+
+
+def test_close_stops_every_thread_it_started() -> None:
+    before = {t.name for t in threading.enumerate()}
+    pair = Pair()
+    send, recv = pair.connect(8, [0])
+    pair.send_backend.send(send, [0], last=True)
+    assert wait_for(lambda: recv.is_terminal)
+    pair.close()
+    assert wait_for(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("kvfsm-scripted") and t.name not in before]
+    )
+    assert not pair.send_backend.control.running
+    assert not pair.recv_backend.control.running
+
+
+def test_abort_releases_a_cancellable_transfer_at_once(pair: Pair) -> None:
+    # NIXL-style: releasing an in-flight handle cancels it; nothing is waited for.
+    send, recv = pair.connect(10, [0, 1])
+    pair.engine.scripts.append(deque(["pending"] * 100000))
+    pair.send_backend.send(send, [0, 1], last=True)
+    assert wait_for(lambda: len(pair.engine.jobs) == 1)
+    job = pair.engine.jobs[0]
+    job.cancellable = True
+    recv.abort("client went away")
+    assert wait_for(lambda: recv.release_safe), "the ACK follows the cancel without waiting for the write"
+    assert job.released
+    assert not job.copied
+    assert send.release_safe
