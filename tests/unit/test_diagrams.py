@@ -14,8 +14,12 @@ from kvfsm.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = sorted((REPO / "docs" / "diagrams").glob("lifecycle-*.mmd"))
-needs_dot = pytest.mark.skipif(kd._dot_program() is None, reason="graphviz 'dot' not installed (Debian: graphviz)")
 needs_graphviz_py = pytest.mark.skipif(not kd._graphviz_importable(), reason="python package 'graphviz' missing")
+# svg and png need both: the Python package builds the graph, Debian's `dot` renders it.
+needs_dot = pytest.mark.skipif(
+    kd._dot_program() is None or not kd._graphviz_importable(),
+    reason="graphviz 'dot' (Debian: graphviz) or the python package 'graphviz' not installed",
+)
 
 
 def machine_edges(role: Role) -> dict[tuple[str, str], set[str]]:
@@ -200,6 +204,7 @@ def test_binary_format_to_stdout_is_refused(capsys: pytest.CaptureFixture[str]) 
     assert "pass --output PATH" in capsys.readouterr().err
 
 
+@needs_graphviz_py
 @pytest.mark.parametrize("fmt", ["svg", "png"])
 def test_missing_dot_program_names_the_debian_package(
     fmt: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
