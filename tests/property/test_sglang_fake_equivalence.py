@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
 from unittest import mock
 
 from hypothesis import given
@@ -53,18 +52,13 @@ def managers(clock: FakeClock) -> Iterator[tuple[sglang.KVManager, sglang.KVMana
             decode.shutdown()
 
 
-class _Polled(Protocol):
-    """What both sides of the comparison answer: SGLang's fake and kvfsm's."""
-
-    @property
-    def conclude_state(self) -> KVPoll | None: ...
-
-    def poll(self) -> KVPoll: ...
-
-    def abort(self) -> None: ...
-
-
-def replay(ours: _Polled, theirs: _Polled, clock: FakeClock, ops: list[Op], step: Callable[[str], bool]) -> None:
+def replay(
+    ours: sglang.FakeKVSender | sglang.FakeKVReceiver,
+    theirs: reference.FakeKVSender | reference.FakeKVReceiver,
+    clock: FakeClock,
+    ops: list[Op],
+    step: Callable[[str], bool],
+) -> None:
     """Apply `ops` to both sides, comparing each poll and every `conclude_state` on the way.
 
     `advance`, `abort` and `poll` are common to both roles; `step` applies
