@@ -611,12 +611,15 @@ def build_summary(
     metrics: TransferMetrics | None = None,
     extra_checks: dict[str, int] | None = None,
     config: dict[str, Any] | None = None,
+    late_events: int = 0,
 ) -> dict[str, Any]:
     """The summary dict (format in the module docstring) from per-request results.
 
     `managers` are checked for rooms left open and their late events
-    counted; `extra_checks` adds counts to verification keys (the same
-    key adds up). `ok` is true iff every verification value is 0.
+    counted; a harness whose managers live elsewhere passes their counts
+    instead, as `extra_checks["rooms_left_open"]` and `late_events`.
+    `extra_checks` adds counts to verification keys (the same key adds
+    up). `ok` is true iff every verification value is 0.
     """
     successes = [r for r in results if r.receiver is KVPoll.Success]
     latencies = [r.latency for r in successes if r.latency is not None]
@@ -657,7 +660,7 @@ def build_summary(
             "per_transfer_gb_per_s": percentiles(rates),
         },
         "pages_checked": sum(r.pages_checked for r in results),
-        "late_events": sum(m.stats.late_events for m in managers),
+        "late_events": late_events + sum(m.stats.late_events for m in managers),
         "sides_disagree": sum(1 for r in results if (r.sender is KVPoll.Success) != (r.receiver is KVPoll.Success)),
         "verification": verification,
         "ok": all(v == 0 for v in verification.values()),
