@@ -296,7 +296,8 @@ class KVManager:
     knobs, 300 s each for bootstrap and waiting), an injectable `clock`,
     `strict` mode, and whether to start the deadline `reaper` thread (on by
     default: SGLang stops polling some queues, and a deadline must fire
-    anyway). `backend` builds the data-plane adapter from the manager's
+    anyway), and `remember_closed`, how many closed room ids are kept so
+    that late legacy writes for them are refused. `backend` builds the data-plane adapter from the manager's
     `TransferManager` (for instance `kvfsm.backends.FakeBackend`, or a
     function that builds a `LocalBackend` and registers its pools): with
     one, `KVSender` and `KVReceiver` move data through it; without one they
@@ -593,7 +594,6 @@ class _Endpoint:
     handle: TransferHandle
     _closed_reason: FailureReason | None
     _close_room: Callable[[TransferHandle], None]
-    _finalizer: weakref.finalize[Any, Any] | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -606,8 +606,9 @@ class _Endpoint:
         self._closed_reason = None
         self._close_room = orphans.close
         # A request the scheduler drops without clear() must not pin its room.
-        self._finalizer = weakref.finalize(self, orphans.adopt, handle)
-        self._finalizer.atexit = False
+        # (A finalizer keeps itself alive until it runs: no reference to hold.)
+        finalizer = weakref.finalize(self, orphans.adopt, handle)
+        finalizer.atexit = False
 
     # -- reads --------------------------------------------------------------------
 
