@@ -41,7 +41,7 @@ from typing import Any
 from ._machine import build_machine
 from ._manager import TransferHandle, TransferManager
 from ._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
-from ._status import StatusTable
+from ._status import StatusTable, retire
 
 __all__ = ["configure", "run", "run_benchmarks", "SECTIONS"]
 
@@ -338,24 +338,27 @@ def _bare_lifecycles(status: dict[int, int], rooms: range) -> Callable[[], None]
 
 
 def _machine_per_request(rooms: range) -> Callable[[], None]:
-    from ._status import retire
-
     table = StatusTable(Timeouts())
-    clock = time.monotonic
 
     def go() -> None:
         for room in rooms:
             record = _TransitionsRecord(table, room)
             machine = build_machine(Role.SENDER)
             machine.add_model(record)
-            m: Any = record
-            machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
-            m.bootstrapped(record, clock(), None)
-            m.transfer_started(record, clock(), None)
-            m.transfer_done(record, clock(), None)
-            retire(record, clock(), None)
+            _transitions_lifecycle(machine, record)
 
     return go
+
+
+def _transitions_lifecycle(machine: Any, record: _TransitionsRecord) -> None:
+    """One lifecycle of a record already added to a `transitions` machine, then its retirement."""
+    clock = time.monotonic
+    m: Any = record
+    machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
+    m.bootstrapped(record, clock(), None)
+    m.transfer_started(record, clock(), None)
+    m.transfer_done(record, clock(), None)
+    retire(record, clock(), None)
 
 
 def _event_data(machine: Any, record: object, now: float) -> Any:
@@ -366,11 +369,8 @@ def _event_data(machine: Any, record: object, now: float) -> Any:
 
 
 def _shared_machine(rooms: range, background: int) -> tuple[Callable[[], None], Any]:
-    from ._status import retire
-
     table = StatusTable(Timeouts(bootstrap=None, waiting=None))
     machine = build_machine(Role.SENDER)
-    clock = time.monotonic
     others = [_TransitionsRecord(table, -1 - i) for i in range(background)]
     if others:
         machine.add_model(others)
@@ -379,12 +379,7 @@ def _shared_machine(rooms: range, background: int) -> tuple[Callable[[], None], 
         for room in rooms:
             record = _TransitionsRecord(table, room)
             machine.add_model(record)
-            m: Any = record
-            machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
-            m.bootstrapped(record, clock(), None)
-            m.transfer_started(record, clock(), None)
-            m.transfer_done(record, clock(), None)
-            retire(record, clock(), None)
+            _transitions_lifecycle(machine, record)
             machine.remove_model(record)
 
     return go, machine

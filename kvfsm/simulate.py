@@ -355,11 +355,11 @@ def _run_request(
             for index, part in enumerate(parts):
                 if index and maybe_abort():
                     break
-                if harness_fail and index == len(parts) - 1:
+                last = index == len(parts) - 1
+                if harness_fail and last:
                     send.fail(FailureReason(FailureKind.TRANSFER_ERROR, "simulated transport error"))
                     recv.fail(FailureReason(FailureKind.PEER_FAILED, "sender failed", from_peer=True))
                     break
-                last = index == len(parts) - 1
                 sb.send(send, part, last=last, aux_index=src_aux if last else None)
         maybe_abort()  # races the copy of the last chunk
         _wait_terminal((send, recv), event, limit=60.0)
@@ -429,7 +429,7 @@ def _release(
     args = world.args
     audit = world.audit
     early = args.inject_bug == "early-release"
-    landed = 0
+    landed = 0  # copies in the decode pages when they were released; one more by close is a late write
     for handle, pool, pages, slot, backend in (
         (recv, world.decode, dst_pages, dst_aux, world.recv_backend),
         (send, world.prefill, src_pages, src_aux, world.send_backend),
@@ -542,6 +542,8 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
 
         return simulate_remote(args, out, err)
     if args.inject_bug == "early-release":
+        # Pages released early only show when a copy is still in flight,
+        # which aborts racing the transfer make common.
         args.abort_rate = max(args.abort_rate, 0.5)
     world = _make_world(args)
     metrics = TransferMetrics()
@@ -564,9 +566,9 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         with ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="kvfsm-simulate") as pool:
             results = list(pool.map(job, jobs))
         elapsed = time.perf_counter() - start
+    finally:
         world.send_backend.close()
         world.recv_backend.close()
-    finally:
         for manager in (world.sender, world.receiver):
             manager.stop_reaper()
     late_writes = _late_writes(world)
@@ -611,12 +613,15 @@ def build_summary(
     metrics: TransferMetrics | None = None,
     extra_checks: dict[str, int] | None = None,
     config: dict[str, Any] | None = None,
+    late_events: int = 0,
 ) -> dict[str, Any]:
     """The summary dict (format in the module docstring) from per-request results.
 
     `managers` are checked for rooms left open and their late events
-    counted; `extra_checks` adds counts to verification keys (the same
-    key adds up). `ok` is true iff every verification value is 0.
+    counted; a harness whose managers live elsewhere passes their counts
+    instead, as `extra_checks["rooms_left_open"]` and `late_events`.
+    `extra_checks` adds counts to verification keys (the same key adds
+    up). `ok` is true iff every verification value is 0.
     """
     successes = [r for r in results if r.receiver is KVPoll.Success]
     latencies = [r.latency for r in successes if r.latency is not None]
@@ -657,7 +662,7 @@ def build_summary(
             "per_transfer_gb_per_s": percentiles(rates),
         },
         "pages_checked": sum(r.pages_checked for r in results),
-        "late_events": sum(m.stats.late_events for m in managers),
+        "late_events": late_events + sum(m.stats.late_events for m in managers),
         "sides_disagree": sum(1 for r in results if (r.sender is KVPoll.Success) != (r.receiver is KVPoll.Success)),
         "verification": verification,
         "ok": all(v == 0 for v in verification.values()),

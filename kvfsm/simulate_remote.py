@@ -32,11 +32,12 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, TextIO
+
+from ._states import KVPoll
+from .simulate import RequestResult, _PagePool, build_summary, print_summary
 
 if TYPE_CHECKING:
     from .backends.base import KVBackend
@@ -46,7 +47,6 @@ __all__ = ["simulate_remote", "run", "REMOTE_BACKENDS"]
 REMOTE_BACKENDS = ("mooncake", "nixl")
 LAYERS = 2
 AUX_BYTES = 64
-_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 
 
 def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
@@ -92,25 +92,6 @@ def _plan(settings: dict[str, Any], room: int) -> dict[str, Any]:
 # -- children ---------------------------------------------------------------------------------
 
 
-class _FreeList:
-    def __init__(self, pages: int, slots: int) -> None:
-        self._pages = list(range(pages))
-        self._slots = list(range(slots))
-        self._cond = threading.Condition()
-
-    def take(self, count: int, rng: random.Random) -> tuple[list[int], int]:
-        with self._cond:
-            while len(self._pages) < count or not self._slots:
-                self._cond.wait()
-            return [self._pages.pop(rng.randrange(len(self._pages))) for _ in range(count)], self._slots.pop()
-
-    def give(self, pages: Sequence[int], slot: int) -> None:
-        with self._cond:
-            self._pages.extend(pages)
-            self._slots.append(slot)
-            self._cond.notify_all()
-
-
 class _Side:
     """One process's half of the simulation."""
 
@@ -134,7 +115,7 @@ class _Side:
         self.k = torch.zeros(LAYERS, pages, floats)
         self.v = torch.zeros(LAYERS, pages, floats)
         self.aux = torch.zeros(settings["concurrency"] * 2, AUX_BYTES, dtype=torch.uint8)
-        self.free = _FreeList(pages, settings["concurrency"] * 2)
+        self.free = _PagePool(pages, settings["concurrency"] * 2)
         backend_class = get_backend(settings["backend"])
         if issubclass(backend_class, RemoteBackend):
             config = RemoteConfig(heartbeat_interval=settings["heartbeat"], heartbeat_misses=4)
@@ -198,6 +179,16 @@ class _Side:
             self.done += 1
         return result
 
+    def bootstrap(self, room: int, address: str, plan: dict[str, Any]) -> tuple[Any, bool]:
+        """Open the room and wait out its handshake (aborting at step 0 if planned); whether this side aborts."""
+        handle = self.manager.open(room)
+        mine = plan["abort_side"] == self.role
+        self.backend.bootstrap(handle, address)
+        if mine and plan["abort_step"] == 0:
+            handle.abort("simulated client abort")
+        self.wait(handle, lambda h: h.state is not self.kvfsm.KVPoll.Bootstrapping)
+        return handle, mine
+
     def sender_request(self, room: int, address: str) -> dict[str, Any]:
         settings, plan = self.settings, _plan(self.settings, room)
         rng = random.Random(room)
@@ -208,12 +199,7 @@ class _Side:
             self.k[:, index] = k
             self.v[:, index] = v
             self.aux[slot] = aux
-        handle = self.manager.open(room)
-        mine = plan["abort_side"] == "sender"
-        self.backend.bootstrap(handle, address)
-        if mine and plan["abort_step"] == 0:
-            handle.abort("simulated client abort")
-        self.wait(handle, lambda h: h.state is not self.kvfsm.KVPoll.Bootstrapping)
+        handle, mine = self.bootstrap(room, address, plan)
         if handle.state is self.kvfsm.KVPoll.WaitingForInput:
             # Chunks keep page order: the k-th page sent lands in the k-th page expected.
             size = -(-len(pages) // settings["chunks"])
@@ -236,12 +222,7 @@ class _Side:
         settings, plan = self.settings, _plan(self.settings, room)
         rng = random.Random(room + 7)
         pages, slot = self.free.take(settings["pages"], rng)
-        handle = self.manager.open(room)
-        mine = plan["abort_side"] == "receiver"
-        self.backend.bootstrap(handle, address)
-        if mine and plan["abort_step"] == 0:
-            handle.abort("simulated client abort")
-        self.wait(handle, lambda h: h.state is not self.kvfsm.KVPoll.Bootstrapping)
+        handle, mine = self.bootstrap(room, address, plan)
         if handle.state is self.kvfsm.KVPoll.WaitingForInput:
             self.backend.expect(handle, pages, slot)
             if mine and plan["abort_step"] == 1:
@@ -343,7 +324,7 @@ def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: Tex
                 process.kill()
                 process.join(5)
     summary = _summary(settings, reports, elapsed)
-    _print(summary, out)
+    print_summary(summary, out)
     json_path = _arg(args, "json", None)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:
@@ -351,75 +332,38 @@ def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: Tex
     return summary
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _summary(settings: dict[str, Any], reports: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    """The `kvfsm.simulate` summary format, from the two processes' reports."""
+    """The `kvfsm.simulate` summary, from the two processes' per-room reports."""
     sender: dict[int, dict[str, Any]] = {r["room"]: r for r in reports["sender"]["results"]}
     receiver: dict[int, dict[str, Any]] = {r["room"]: r for r in reports["receiver"]["results"]}
-    rooms = sorted(set(sender) | set(receiver))
-    successes = [receiver[r] for r in rooms if receiver[r]["state"] == "Success"]
-    latencies = [r["latency"] for r in successes if r["latency"] is not None]
-    rates = [r["nbytes"] / r["latency"] / 1e9 for r in successes if r["latency"]]
-    total_bytes = sum(r["nbytes"] for r in successes)
-    verification = {
-        "pages_not_identical": sum(receiver[r]["bad"] for r in rooms),
-        "rooms_left_open": reports["sender"]["left_open"] + reports["receiver"]["left_open"],
-        "status_handle_mismatches": sum(sender[r]["mismatch"] + receiver[r]["mismatch"] for r in rooms),
-        "released_before_safe": sum(
-            sender[r]["released_before_safe"] + receiver[r]["released_before_safe"] for r in rooms
-        ),
-    }
-    return {
-        "backend": settings["backend"],
-        "requests": len(rooms),
-        "elapsed_s": elapsed,
-        "requests_per_s": len(rooms) / elapsed if elapsed > 0 else None,
-        "config": {k: v for k, v in settings.items() if k not in ("progress", "log_level")} | {"processes": 2},
-        "final_states": {
-            "sender": dict(Counter(sender[r]["state"] for r in rooms)),
-            "receiver": dict(Counter(receiver[r]["state"] for r in rooms)),
-        },
-        "failure_kinds": {
-            "sender": dict(Counter(sender[r]["kind"] for r in rooms if sender[r]["kind"])),
-            "receiver": dict(Counter(receiver[r]["kind"] for r in rooms if receiver[r]["kind"])),
-        },
-        "latency_s": {
-            "p50": _percentile(latencies, 0.5),
-            "p99": _percentile(latencies, 0.99),
-            "mean": sum(latencies) / len(latencies) if latencies else None,
-            "max": max(latencies) if latencies else None,
-        },
-        "throughput": {
-            "bytes": total_bytes,
-            "gb_per_s": total_bytes / elapsed / 1e9 if elapsed > 0 else None,
-            "per_transfer_gb_per_s": {"p50": _percentile(rates, 0.5), "p99": _percentile(rates, 0.99)},
-        },
-        "pages_checked": sum(receiver[r]["checked"] for r in rooms),
-        "late_events": reports["sender"]["late_events"] + reports["receiver"]["late_events"],
-        "sides_disagree": sum(
-            1 for r in rooms if (sender[r]["state"] == "Success") != (receiver[r]["state"] == "Success")
-        ),
-        "verification": verification,
-        "ok": all(v == 0 for v in verification.values()),
-        "metrics": {},
-    }
+    results = [_joined(room, sender[room], receiver[room]) for room in sorted(set(sender) | set(receiver))]
+    return build_summary(
+        results,
+        backend=settings["backend"],
+        elapsed=elapsed,
+        managers=(),
+        late_events=reports["sender"]["late_events"] + reports["receiver"]["late_events"],
+        extra_checks={"rooms_left_open": reports["sender"]["left_open"] + reports["receiver"]["left_open"]},
+        config={k: v for k, v in settings.items() if k not in ("progress", "log_level")} | {"processes": 2},
+    )
 
 
-def _print(summary: dict[str, Any], out: TextIO) -> None:
-    # The shared renderer, where the data plane's simulate provides it.
-    from . import simulate
-
-    render = getattr(simulate, "print_summary", None)
-    if render is not None:
-        render(summary, out)
-        return
-    out.write(json.dumps(summary, indent=2) + "\n")
+def _joined(room: int, sent: dict[str, Any], received: dict[str, Any]) -> RequestResult:
+    """One room's two reports as the `RequestResult` an in-process run would have made."""
+    receiver_state = KVPoll[received["state"]]
+    return RequestResult(
+        room,
+        KVPoll[sent["state"]],
+        receiver_state,
+        sent["kind"],
+        received["kind"],
+        latency=received["latency"] if receiver_state is KVPoll.Success else None,
+        nbytes=received["nbytes"],
+        pages_checked=received["checked"],
+        pages_not_identical=received["bad"],
+        status_handle_mismatches=sent["mismatch"] + received["mismatch"],
+        released_before_safe=sent["released_before_safe"] + received["released_before_safe"],
+    )
 
 
 def run(args: argparse.Namespace) -> int:

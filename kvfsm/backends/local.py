@@ -279,10 +279,7 @@ class LocalBackend(KVBackend):
             self._reject(handle, f"bootstrap peer {peer!r} is not a local endpoint (this sender is {self._address})")
         problem: str | None = None
         ready = False
-        with self._lock:
-            link = self._links.get(handle.room)
-            if link is None or link.forgotten:
-                link = self._links[handle.room] = _Link(handle.room, self)
+        link = self._live_link(handle.room)
         with link.lock:
             if link.sender is not None:
                 problem = f"room is already bootstrapped on this sender (generation {link.sender.generation})"
@@ -311,10 +308,7 @@ class LocalBackend(KVBackend):
             )
             return
         problem: str | None = None
-        with sender_ep._lock:
-            link = sender_ep._links.get(handle.room)
-            if link is None or link.forgotten:
-                link = sender_ep._links[handle.room] = _Link(handle.room, sender_ep)
+        link = sender_ep._live_link(handle.room)
         with link.lock:
             if link.receiver is not None:
                 problem = f"room already has a receiver on {peer} (generation {link.receiver.generation})"
@@ -328,6 +322,17 @@ class LocalBackend(KVBackend):
         if link.sender is not None and not sender_ep._check_layouts(link, self):
             return
         handle.bootstrapped()
+
+    def _live_link(self, room: Hashable) -> _Link:
+        """This sender endpoint's link for `room`; a new one if it has none or only a forgotten one.
+
+        Either side may bootstrap first, so both create the link here, on the sender's table.
+        """
+        with self._lock:
+            link = self._links.get(room)
+            if link is None or link.forgotten:
+                link = self._links[room] = _Link(room, self)
+            return link
 
     def _check_layouts(self, link: _Link, receiver_ep: LocalBackend) -> bool:
         """Both pools must exchange pages; on a mismatch fail both rooms (BOOTSTRAP_ERROR)."""

@@ -134,15 +134,19 @@ class RequestStatusView(Mapping[int, KVPoll]):
 
     def pop(self, room: int, default: Any = _MISSING) -> Any:
         """Close the room and return its final status (or `default` if it was not open)."""
-        final = self._manager.close_room(room)
-        if final is None:
-            if default is _MISSING:
-                raise KeyError(room)
-            return default
-        return final
+        return _found_or_default(room, self._manager.close_room(room), default)
 
     def __repr__(self) -> str:
         return f"<RequestStatusView {dict(self.items())!r}>"
+
+
+def _found_or_default(room: int, value: Any, default: Any) -> Any:
+    """`dict.pop`'s answer: the value, else `default`, else `KeyError` when none was given."""
+    if value is not None:
+        return value
+    if default is _MISSING:
+        raise KeyError(room)
+    return default
 
 
 class FailureRecordsView(Mapping[int, str]):
@@ -177,9 +181,4 @@ class FailureRecordsView(Mapping[int, str]):
         self._manager.record_failure(room, message)
 
     def pop(self, room: int, default: Any = _MISSING) -> Any:
-        message = self._manager.failure_message(room)
-        if message is None:
-            if default is _MISSING:
-                raise KeyError(room)
-            return default
-        return message
+        return _found_or_default(room, self._manager.failure_message(room), default)

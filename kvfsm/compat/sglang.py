@@ -296,7 +296,8 @@ class KVManager:
     knobs, 300 s each for bootstrap and waiting), an injectable `clock`,
     `strict` mode, and whether to start the deadline `reaper` thread (on by
     default: SGLang stops polling some queues, and a deadline must fire
-    anyway). `backend` builds the data-plane adapter from the manager's
+    anyway), and `remember_closed`, how many closed room ids are kept so
+    that late legacy writes for them are refused. `backend` builds the data-plane adapter from the manager's
     `TransferManager` (for instance `kvfsm.backends.FakeBackend`, or a
     function that builds a `LocalBackend` and registers its pools): with
     one, `KVSender` and `KVReceiver` move data through it; without one they
@@ -410,11 +411,8 @@ class KVManager:
     def close_room(self, bootstrap_room: RoomId) -> KVPoll | None:
         """Close the room (aborting it if still in flight); its final state, or None if not open."""
         with self._lock:
-            try:
-                handle = self.transfer_manager.get(bootstrap_room)
-            except UnknownRoom:
-                return None
-            return self._forget(handle)
+            handle = self._open_handle(bootstrap_room)
+            return None if handle is None else self._forget(handle)
 
     def close_handle(self, handle: TransferHandle) -> None:
         """Close this generation of a room, if it is still open (idempotent)."""
@@ -596,7 +594,6 @@ class _Endpoint:
     handle: TransferHandle
     _closed_reason: FailureReason | None
     _close_room: Callable[[TransferHandle], None]
-    _finalizer: weakref.finalize[Any, Any] | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -609,8 +606,9 @@ class _Endpoint:
         self._closed_reason = None
         self._close_room = orphans.close
         # A request the scheduler drops without clear() must not pin its room.
-        self._finalizer = weakref.finalize(self, orphans.adopt, handle)
-        self._finalizer.atexit = False
+        # (A finalizer keeps itself alive until it runs: no reference to hold.)
+        finalizer = weakref.finalize(self, orphans.adopt, handle)
+        finalizer.atexit = False
 
     # -- reads --------------------------------------------------------------------
 
@@ -752,6 +750,7 @@ class KVSender(_Endpoint):
         self._open(mgr, bootstrap_room)
 
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
+        """Open and bind this request's room; the fake pair overrides it to use rooms of its own."""
         manager = _require_manager(mgr, KVSender)
         self._bind(manager.open_room(bootstrap_room), manager.orphans)
         if manager.backend is not None:
@@ -876,26 +875,13 @@ class FakeKVSender(KVSender):
     `send()` and to `Success` on the next poll.
     """
 
-    def __init__(
-        self,
-        mgr: Any,
-        bootstrap_addr: str,
-        bootstrap_room: int,
-        dest_tp_ranks: list[int] | None = None,
-        pp_rank: int = 0,
-        req_has_disagg_prefill_dp_rank: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def _open(self, mgr: Any, bootstrap_room: int) -> None:
+        """Set SGLang's fake attributes and open a fake room (the constructor is `KVSender`'s)."""
         self.has_sent = False
         self.inited = False
         # Per request, from the environment, as SGLang does: a fake sender is
         # often paired with a real backend's manager.
         self.waiting_timeout = _timeout_from_env(WAITING_TIMEOUT_ENV)
-        super().__init__(
-            mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, req_has_disagg_prefill_dp_rank, **kwargs
-        )
-
-    def _open(self, mgr: Any, bootstrap_room: int) -> None:
         fake_rooms = _fake_rooms_for(mgr)
         handle = fake_rooms.open(Role.SENDER, self.waiting_timeout, bootstrap_room)
         self._bind(handle, fake_rooms.orphans)
@@ -948,12 +934,10 @@ class FakeKVReceiver(KVReceiver):
     called, then `Success`; `Failed` after `abort()`.
     """
 
-    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None, **kwargs: Any) -> None:
+    def _open(self, mgr: Any, bootstrap_room: int | None) -> None:
+        """Set SGLang's fake attributes and open a fake room (the constructor is `KVReceiver`'s)."""
         self.bootstrap_done = False
         self.has_sent_metadata = False
-        super().__init__(mgr, bootstrap_addr, bootstrap_room, **kwargs)
-
-    def _open(self, mgr: Any, bootstrap_room: int | None) -> None:
         fake_rooms = _fake_rooms_for(mgr)
         handle = fake_rooms.open(Role.RECEIVER, None, bootstrap_room)
         self._bind(handle, fake_rooms.orphans)

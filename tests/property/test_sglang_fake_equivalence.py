@@ -15,7 +15,7 @@ there (both sides are latched from then on):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from unittest import mock
 
@@ -52,44 +52,67 @@ def managers(clock: FakeClock) -> Iterator[tuple[sglang.KVManager, sglang.KVMana
             decode.shutdown()
 
 
+def replay(
+    ours: sglang.FakeKVSender | sglang.FakeKVReceiver,
+    theirs: reference.FakeKVSender | reference.FakeKVReceiver,
+    clock: FakeClock,
+    ops: list[Op],
+    step: Callable[[str], bool],
+) -> None:
+    """Apply `ops` to both sides, comparing each poll and every `conclude_state` on the way.
+
+    `advance`, `abort` and `poll` are common to both roles; `step` applies
+    the other ops and returns False where the trace ends at a documented
+    difference it has already checked.
+    """
+    for op, dt in ops:
+        if op == "advance":
+            clock.advance(dt)
+        elif op == "abort":
+            succeeded = theirs.conclude_state is KVPoll.Success
+            ours.abort()
+            theirs.abort()
+            if succeeded:
+                assert (ours.poll(), theirs.poll()) == (KVPoll.Success, KVPoll.Failed)
+                return
+        elif op == "poll":
+            assert ours.poll() is theirs.poll()
+        elif not step(op):
+            return
+        assert ours.conclude_state is theirs.conclude_state, op
+
+
 @given(sender_ops)
 def test_fake_sender_polls_like_sglangs(ops: list[Op]) -> None:
     clock = FakeClock()
     with managers(clock) as (prefill, _decode):
         ours = sglang.FakeKVSender(prefill, "2.2.2.2:8998", 0, [0], 0)
         theirs = reference.FakeKVSender(clock, WAITING_TIMEOUT)
-        for op, dt in ops:
-            if op == "advance":
-                clock.advance(dt)
-            elif op == "init":
+
+        def step(op: str) -> bool:
+            if op == "init":
                 ours.init(3, 0)
                 theirs.init(3, 0)
-            elif op == "send":
-                deadline_passed_unpolled = (
-                    theirs.conclude_state is None
-                    and not theirs.has_sent
-                    and theirs.waiting_since is not None
-                    and clock() - theirs.waiting_since >= WAITING_TIMEOUT
-                )
-                ours.send([1, 2, 3])
-                theirs.send([1, 2, 3])
-                if deadline_passed_unpolled:
-                    assert ours.poll() is KVPoll.Failed
-                    failure = ours.handle.failure
-                    assert failure is not None
-                    assert failure.kind is FailureKind.TIMEOUT
-                    assert theirs.poll() is KVPoll.Success
-                    return
-            elif op == "abort":
-                succeeded = theirs.conclude_state is KVPoll.Success
-                ours.abort()
-                theirs.abort()
-                if succeeded:
-                    assert (ours.poll(), theirs.poll()) == (KVPoll.Success, KVPoll.Failed)
-                    return
-            else:
-                assert ours.poll() is theirs.poll()
-            assert ours.conclude_state is theirs.conclude_state, op
+                return True
+            assert op == "send", op
+            deadline_passed_unpolled = (
+                theirs.conclude_state is None
+                and not theirs.has_sent
+                and theirs.waiting_since is not None
+                and clock() - theirs.waiting_since >= WAITING_TIMEOUT
+            )
+            ours.send([1, 2, 3])
+            theirs.send([1, 2, 3])
+            if deadline_passed_unpolled:
+                assert ours.poll() is KVPoll.Failed
+                failure = ours.handle.failure
+                assert failure is not None
+                assert failure.kind is FailureKind.TIMEOUT
+                assert theirs.poll() is KVPoll.Success
+                return False
+            return True
+
+        replay(ours, theirs, clock, ops, step)
 
 
 @given(receiver_ops)
@@ -98,25 +121,18 @@ def test_fake_receiver_polls_like_sglangs(ops: list[Op]) -> None:
     with managers(clock) as (_prefill, decode):
         ours = sglang.FakeKVReceiver(decode, "2.2.2.2:8998", 0)
         theirs = reference.FakeKVReceiver()
-        for op, dt in ops:
-            if op == "advance":
-                clock.advance(dt)
-            elif op == "init":
+
+        def step(op: str) -> bool:
+            if op == "init":
                 ours.init(0)
                 theirs.init(0)
-            elif op == "send_metadata":
+            else:
+                assert op == "send_metadata", op
                 ours.send_metadata([1, 2, 3], 0)
                 theirs.send_metadata([1, 2, 3], 0)
-            elif op == "abort":
-                succeeded = theirs.conclude_state is KVPoll.Success
-                ours.abort()
-                theirs.abort()
-                if succeeded:
-                    assert (ours.poll(), theirs.poll()) == (KVPoll.Success, KVPoll.Failed)
-                    return
-            else:
-                assert ours.poll() is theirs.poll()
-            assert ours.conclude_state is theirs.conclude_state, op
+            return True
+
+        replay(ours, theirs, clock, ops, step)
 
 
 @given(sender_ops)

@@ -352,6 +352,8 @@ def test_failure_records_view(prefill: sglang.KVManager) -> None:
     assert list(prefill.failure_records) == [1]
     prefill.close_room(1)
     assert prefill.failure_records.pop(1, None) is None
+    with pytest.raises(KeyError):
+        prefill.failure_records.pop(1)
     prefill.record_failure(99, "never opened")
     assert len(prefill.failure_records) == 0
     assert sender.poll() is KVPoll.Failed
