@@ -12,11 +12,12 @@ without Mooncake or NIXL installed.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .base import BackendError, MemoryRegion
 
-__all__ = ["DoneJob", "EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs"]
+__all__ = ["DoneJob", "EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
 
 #: One write: (source address, destination address, length in bytes).
 Write = tuple[int, int, int]
@@ -33,6 +34,23 @@ def coalesce_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int,
                 continue
         runs.append((src, dst, 1))
     return runs
+
+
+def page_writes(
+    mine: Sequence[MemoryRegion], theirs: Sequence[MemoryRegion], runs: Iterable[tuple[int, int, int]]
+) -> list[Write]:
+    """The writes of page runs (src_start, dst_start, count): one per run and region pair, runs outermost."""
+    writes: list[Write] = []
+    for src, dst, count in runs:
+        for source, destination in zip(mine, theirs, strict=True):
+            writes.append(
+                (
+                    source.ptr + src * source.page_nbytes,
+                    destination.ptr + dst * destination.page_nbytes,
+                    count * source.page_nbytes,
+                )
+            )
+    return writes
 
 
 class EngineJob(abc.ABC):

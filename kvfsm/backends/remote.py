@@ -47,8 +47,8 @@ A ROOM or ABORT may reach the prefill before its scheduler calls
 
 The code is split by job: `_remote_engine` (the engine interface below),
 `_remote_wire` (what both halves share: config, counters, peer record,
-encodings, ABORT), `_remote_sender` (the prefill half and its writer
-thread) and `_remote_receiver` (the decode half). This module puts the
+encodings, ABORT), `_remote_sender` (the prefill half), `_remote_writer`
+(the prefill's writer thread) and `_remote_receiver` (the decode half). This module puts the
 halves together and dispatches to the one an endpoint's role picks.
 """
 
@@ -95,7 +95,6 @@ class RemoteBackend(SenderSide, ReceiverSide):
         self._peers: dict[str, PeerRecord] = {}
         self._init_receiver()
         self._init_sender()
-        self._worker: threading.Thread | None = None
         super().__init__(manager)
         self.control = ControlPlane(
             on_message=self._on_message,
@@ -110,8 +109,7 @@ class RemoteBackend(SenderSide, ReceiverSide):
         )
         self.control.start()
         if manager.role is Role.SENDER:
-            self._worker = threading.Thread(target=self._work_loop, name=f"kvfsm-{self.name}-writer", daemon=True)
-            self._worker.start()
+            self._start_writer()
 
     # -- KVBackend: each call goes to the half the role picks ---------------------------------
 
@@ -134,9 +132,7 @@ class RemoteBackend(SenderSide, ReceiverSide):
             self._forget_sender(handle)
 
     def _shutdown(self) -> None:
-        if self._worker is not None:
-            self._work.put(("exit", None))
-            self._worker.join(5.0)
+        self._stop_writer()
         self.control.stop()
         self.engine.close()
 
