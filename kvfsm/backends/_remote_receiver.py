@@ -36,7 +36,7 @@ _BUSY_SPAN = 0.05
 class RecvRoom:
     """One decode room: its token, its prefill, the pages it expects and whether the prefill has them."""
 
-    __slots__ = ("aux", "handle", "pages", "pages_sent", "peer", "token")
+    __slots__ = ("aux", "handle", "pages", "pages_sent", "peer", "peer_aborted", "token")
 
     def __init__(self, handle: TransferHandle, token: str, peer: str) -> None:
         self.handle = handle
@@ -45,6 +45,8 @@ class RecvRoom:
         self.pages: list[int] | None = None
         self.aux: int | None = None
         self.pages_sent = False
+        # Set when the prefill's ABORT failed this room: it knows, so no ABORT goes back.
+        self.peer_aborted = False
 
 
 class ReceiverSide(RemoteEndpoint):
@@ -135,7 +137,7 @@ class ReceiverSide(RemoteEndpoint):
             return
         self._expecting.discard(rec.token)
         reason = handle.reason
-        if peer is not None and peer.answered and not (reason is not None and reason.from_peer):
+        if peer is not None and peer.answered and not rec.peer_aborted:
             self._send_abort(rec.peer, handle.room, rec.token, reason)
         if not rec.pages_sent:
             # The prefill never learnt where to write: nothing of it can land here.
@@ -204,7 +206,7 @@ class ReceiverSide(RemoteEndpoint):
             elif handle.state is KVPoll.Bootstrapping:
                 handle.bootstrapped()
                 self._send_room_pages(rec)
-            elif handle.state is KVPoll.Failed and not (handle.reason is not None and handle.reason.from_peer):
+            elif handle.state is KVPoll.Failed and not rec.peer_aborted:
                 # It failed while the handshake was in flight: tell the prefill now, so its
                 # side of the room does not wait for its bootstrap deadline.
                 self._send_abort(rec.peer, handle.room, rec.token, handle.reason)
@@ -214,6 +216,7 @@ class ReceiverSide(RemoteEndpoint):
         if rec is None or rec.handle.room != message["room"]:
             self.remote_stats.stale_messages += 1
             return
+        rec.peer_aborted = True
         rec.handle.fail(peer_reason(message))
 
     def _on_abort_ack(self, message: ControlMessage) -> None:

@@ -144,9 +144,9 @@ class SenderSide(WriterThread):
                 self._send_abort(unclaimed.peer, handle.room, unclaimed.token, handle.reason)
                 self._send_ack(unclaimed)
             return
-        reason = handle.reason
-        if not (reason is not None and reason.from_peer):
-            self._send_abort(send_room.peer, handle.room, send_room.token, reason)
+        if not send_room.peer_aborted:
+            # A failure marked from_peer may come from elsewhere (another rank): the decode still needs telling.
+            self._send_abort(send_room.peer, handle.room, send_room.token, handle.reason)
         self._work.put(("stop", send_room))
 
     def _on_hello(self, message: ControlMessage) -> None:
@@ -261,6 +261,7 @@ class SenderSide(WriterThread):
         if send_room is not None:
             handle = send_room.handle
             if handle is not None and not handle.is_terminal:
+                send_room.peer_aborted = True
                 handle.fail(peer_reason(message))  # -> _stop_sender -> worker drains -> ABORT_ACK
             else:
                 # Terminal or closed: ACK once whatever it issued has ended.

@@ -57,6 +57,7 @@ class SendRoom:
         "jobs_inflight",
         "pages",
         "peer",
+        "peer_aborted",
         "room",
         "stopped",
         "timeouts_seen",
@@ -80,6 +81,8 @@ class SendRoom:
         self.failed_sent = False
         self.timeouts_seen = 0
         self.undrained = False
+        # Set when the decode's ABORT failed this room: it knows, so no ABORT goes back.
+        self.peer_aborted = False
 
 
 class WriterThread(RemoteEndpoint):

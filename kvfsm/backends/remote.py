@@ -37,6 +37,9 @@ Failure and abort, from either side (DESIGN.md bug 5, SGLang #35049):
 * prefill room fails: ABORT goes out at once (the decode fails with
   `ABORTED` or `PEER_FAILED`, from the peer), and ABORT_ACK follows when
   the prefill's writes drained.
+* a room failed by the peer's own ABORT sends none back; any other
+  failure does, even one marked `from_peer` (SGLang's "another rank
+  failed" is not news to this peer).
 * a peer silent for the heartbeat window (or saying BYE): every
   non-terminal room with that peer fails with `PEER_LOST` (or
   `BOOTSTRAP_ERROR` if it never answered the handshake). Its pages wait
