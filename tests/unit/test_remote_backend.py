@@ -247,6 +247,28 @@ def test_decode_abort_mid_transfer_waits_for_the_write_then_acks(pair: Pair) -> 
     assert len(pair.engine.jobs) == 1
 
 
+def test_a_peer_failure_reported_elsewhere_still_tells_the_prefill(pair: Pair) -> None:
+    """`from_peer` may come from another rank (SGLang's all-reduce), not from this prefill: ABORT it anyway."""
+    send, recv = pair.connect(6, [0, 1])
+    other_rank = kvfsm.FailureReason(kvfsm.FailureKind.PEER_FAILED, "another decode rank failed", from_peer=True)
+    assert recv.fail(other_rank)
+    assert wait_for(lambda: send.state is kvfsm.KVPoll.Failed), "the prefill must learn of it"
+    assert wait_for(lambda: recv.release_safe), "its ABORT_ACK opens the decode's gate"
+    assert pair.recv_backend.remote_stats.aborts_sent == 1
+    # The prefill failed from the decode's ABORT: it does not echo one back.
+    assert pair.send_backend.remote_stats.aborts_sent == 0
+
+
+def test_a_prefill_failure_reported_elsewhere_still_tells_the_decode(pair: Pair) -> None:
+    send, recv = pair.connect(7, [0, 1])
+    other_rank = kvfsm.FailureReason(kvfsm.FailureKind.PEER_FAILED, "another prefill rank failed", from_peer=True)
+    assert send.fail(other_rank)
+    assert wait_for(lambda: recv.state is kvfsm.KVPoll.Failed), "the decode must learn of it"
+    assert wait_for(lambda: recv.release_safe)
+    assert pair.send_backend.remote_stats.aborts_sent == 1
+    assert pair.recv_backend.remote_stats.aborts_sent == 0
+
+
 def test_duplicate_room_from_another_decode_transfer_is_refused(pair: Pair) -> None:
     send, recv = pair.connect(6, [0])
     other = kvfsm.TransferManager("receiver")

@@ -1,0 +1,130 @@
+"""The engine below a cross-process backend: what Mooncake and NIXL plug in.
+
+`RemoteBackend` keeps the lifecycle; an engine only registers memory,
+describes its session, and submits and polls writes. This module holds
+that interface (`EngineAdapter`, the `EngineJob` it returns, `PartialSubmit`
+for a submit that failed half-way) and the byte-level helpers both halves
+of an endpoint share (`Write`, `coalesce_runs`). It imports no engine, so
+a third-party engine and the scripted engine of the unit tests build on it
+without Mooncake or NIXL installed.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .base import BackendError, MemoryRegion
+
+__all__ = ["DoneJob", "EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
+
+#: One write: (source address, destination address, length in bytes).
+Write = tuple[int, int, int]
+
+
+def coalesce_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Group page pairs into runs contiguous on both sides: (src_start, dst_start, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_pages, dst_pages, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if src == s0 + n and dst == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+def page_writes(
+    mine: Sequence[MemoryRegion], theirs: Sequence[MemoryRegion], runs: Iterable[tuple[int, int, int]]
+) -> list[Write]:
+    """The writes of page runs (src_start, dst_start, count): one per run and region pair, runs outermost."""
+    writes: list[Write] = []
+    for src, dst, count in runs:
+        for source, destination in zip(mine, theirs, strict=True):
+            writes.append(
+                (
+                    source.ptr + src * source.page_nbytes,
+                    destination.ptr + dst * destination.page_nbytes,
+                    count * source.page_nbytes,
+                )
+            )
+    return writes
+
+
+class EngineJob(abc.ABC):
+    """Writes submitted to an engine as one unit, polled until they end."""
+
+    @abc.abstractmethod
+    def poll(self) -> str:
+        """ "done", "pending", "failed" or "timeout" (slow; may still complete)."""
+
+    def cancel(self) -> bool:
+        """Try to stop the writes; True when none of them can land any more."""
+        return False
+
+    def release(self) -> None:
+        """Free engine resources once the job ended (or was cancelled)."""
+        return
+
+    #: What the job moves, for messages.
+    detail: str = ""
+    #: Set when the job ended in a way that does not prove its writes stopped
+    #: (a synchronous batch that gave up on a timeout): its room is then never
+    #: reported drained; the drain deadline decides.
+    may_still_land: bool = False
+
+
+class PartialSubmit(BackendError):
+    """Submitting failed after some writes went out; `job` holds those, to be waited for."""
+
+    def __init__(self, job: EngineJob, message: str) -> None:
+        super().__init__(message)
+        self.job = job
+
+
+class EngineAdapter(abc.ABC):
+    """The engine-specific part of a cross-process backend."""
+
+    name: str = "?"
+    #: True when the engine tells the receiver about completion itself (NIXL
+    #: notifications); False when the prefill sends CHUNK/DONE notices.
+    notifies_receiver: bool = False
+
+    @abc.abstractmethod
+    def register(self, regions: list[MemoryRegion]) -> None:
+        """Register the endpoint's memory."""
+
+    @abc.abstractmethod
+    def session(self) -> tuple[dict[str, Any], bytes | None]:
+        """What a peer needs to reach this engine: JSON fields and an optional blob."""
+
+    @abc.abstractmethod
+    def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        """Open the peer's engine session; returns what `submit` needs to target it."""
+
+    def remove_peer(self, target: Any) -> None:
+        return
+
+    @abc.abstractmethod
+    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+        """Start writes into the peer's memory; `notify` (if the engine notifies) rides along."""
+
+    def notify(self, target: Any, message: bytes) -> None:
+        """Send a standalone notification (engines that notify the receiver)."""
+        raise NotImplementedError
+
+    def receiver_notifications(self) -> list[bytes]:
+        """New completion notifications that reached this (receiver) engine."""
+        return []
+
+    def close(self) -> None:
+        return
+
+
+class DoneJob(EngineJob):
+    """A commit marker that needed no write (no aux slot, nothing to notify)."""
+
+    def poll(self) -> str:
+        return "done"

@@ -1,0 +1,285 @@
+"""The conformance kit's pair factories for the cross-process engines (Mooncake, NIXL).
+
+Used in-process by tests/integration/test_engine_conformance.py for
+Mooncake, and in a child process (`python -m tests.integration.engine_kit
+nixl EXAMPLES STEPS`) for NIXL, which crashes the interpreter at exit: the
+child ends with `os._exit`, 0 when the kit passed, 1 when it failed.
+Importing this module imports neither engine; building a backend does.
+
+Three things are particular to a real engine:
+
+* Destroying a Mooncake `TransferEngine` takes about a second, so one
+  engine per role and its pools live for the whole process (registered
+  once, zeroed at the start of every example); each example still builds
+  fresh backends, control planes and managers around them. NIXL agents
+  are cheap: each example makes its own.
+* The kit's own `release` rule reads a sender's `release_safe` right
+  after `close()`, without settling, while this adapter drains a closed
+  room on its writer thread: `RemoteConformance.release` settles in
+  between, or hypothesis sees different pages free from one run of an
+  example to the next.
+* `settle()` must prove that nothing the pair started is still moving:
+  every control message either side sent has been handled by the other,
+  the prefill's writer thread has no room with work left, and no live
+  decode room is behind its prefill room (chunks done, or Success): NIXL's
+  progress and completion travel as engine notifications, outside the
+  control plane. It checks all of that twice around a round trip through
+  the writer's command queue, and gives up with an error after
+  `SETTLE_LIMIT` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+
+from kvfsm import KVPoll, TransferManager
+from kvfsm.backends._remote_engine import EngineAdapter, EngineJob, Write
+from kvfsm.backends.base import KVPools, MemoryRegion
+from kvfsm.backends.mooncake import MooncakeBackend, MooncakeEngine
+from kvfsm.backends.nixl import NixlBackend
+from kvfsm.backends.remote import RemoteBackend, RemoteConfig
+from kvfsm.testing import _POISON as POISON
+from kvfsm.testing import BackendConformance, BackendPair
+
+PAGES = 8
+LAYERS = 2
+WORDS_PER_PAGE = 4
+SETTLE_LIMIT = 20.0
+#: How long one question to the writer thread waits for its answer.
+SYNC_WAIT = 0.005
+# Heartbeats never fall due within a run (the first goes out before any peer is watched):
+# the kit's steps never wait, and settle() counts every message.
+CONFIG = RemoteConfig(heartbeat_interval=3600.0)
+
+
+class Pages:
+    """One endpoint's KV tensors, written and read one page token at a time."""
+
+    def __init__(self) -> None:
+        self.tensors = [torch.zeros(LAYERS, PAGES, WORDS_PER_PAGE, dtype=torch.int64) for _ in range(2)]
+        self.pools = KVPools.from_tensors(*self.tensors)
+
+    def write(self, page: int, token: int) -> None:
+        for tensor in self.tensors:
+            tensor[:, page] = token
+
+    def read(self, page: int) -> int:
+        values = torch.cat([tensor[:, page].reshape(-1) for tensor in self.tensors]).unique()  # type: ignore[no-untyped-call]
+        return int(values[0]) if values.numel() == 1 else -2  # -2: a torn page
+
+
+class KeptMooncakeEngine(EngineAdapter):
+    """A Mooncake engine and its registered pages that outlive one example's backends."""
+
+    name = "mooncake"
+    notifies_receiver = False
+
+    def __init__(self) -> None:
+        self.inner = MooncakeEngine()
+        self.pages = Pages()
+        self.inner.register([*self.pages.pools.kv, *self.pages.pools.aux])
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        return  # registered once, at creation
+
+    def session(self) -> tuple[dict[str, Any], bytes | None]:
+        return self.inner.session()
+
+    def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        return self.inner.add_peer(session, blob)
+
+    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+        return self.inner.submit(target, writes, notify)
+
+    def close(self) -> None:
+        return  # kept for the next example
+
+
+_KEPT: dict[str, KeptMooncakeEngine] = {}
+
+
+def kept_mooncake(role: str) -> KeptMooncakeEngine:
+    if role not in _KEPT:
+        _KEPT[role] = KeptMooncakeEngine()
+    engine = _KEPT[role]
+    for tensor in engine.pages.tensors:
+        tensor.zero_()  # no token of an earlier example may pass for a write of this one
+    return engine
+
+
+class Settling(RemoteBackend):
+    """What `settle()` reads from an endpoint: control messages handled, and whether the writer is idle."""
+
+    handled: int
+
+    def _count_handled(self) -> None:
+        self.handled = 0
+        receive: Callable[[list[bytes]], None] = self.control._receive
+
+        def counting(frames: list[bytes]) -> None:
+            try:
+                receive(frames)
+            finally:
+                self.handled += 1
+
+        # Counted after the handler returned: whatever it queued for the writer is queued by then.
+        setattr(self.control, "_receive", counting)  # noqa: B010
+
+    def _command(self, command: str, payload: Any, active: dict[str, Any]) -> None:
+        if command == "sync":
+            # Commands are handled in order: everything queued before this one has been taken up.
+            if not active:
+                payload.set()
+            return
+        super()._command(command, payload, active)
+
+    def writer_idle(self) -> bool:
+        """True when the writer took up every command queued so far and had no room with work left.
+
+        False when it still had work at that moment (or is slow to answer): ask again.
+        """
+        done = threading.Event()
+        self._work.put(("sync", done))
+        return done.wait(SYNC_WAIT)
+
+
+class SettlingMooncakeBackend(Settling, MooncakeBackend):
+    def __init__(self, manager: TransferManager, engine: KeptMooncakeEngine) -> None:
+        self.kept = engine
+        super().__init__(manager, CONFIG)
+        self._count_handled()
+
+    def _make_engine(self) -> EngineAdapter:
+        return self.kept
+
+
+class SettlingNixlBackend(Settling, NixlBackend):
+    def __init__(self, manager: TransferManager) -> None:
+        super().__init__(manager, CONFIG)
+        self._count_handled()
+
+
+def decode_behind(sending: Settling, receiving: Settling) -> bool:
+    """True while a live decode room has seen fewer chunks than its prefill room, or is not done when it is."""
+    with sending._lock:
+        rooms = [(r.token, r.handle) for r in sending._send_by_room.values() if r.handle is not None]
+    for token, send in rooms:
+        rec = receiving._recv_by_token.get(token)
+        if rec is None or rec.handle.is_terminal:
+            continue
+        if rec.handle.chunks < send.chunks or send.state is KVPoll.Success:
+            return True
+    return False
+
+
+def settle_pair(sending: Settling, receiving: Settling) -> None:
+    """Block until the pair is quiet (see the module docstring), twice in a row with no change."""
+
+    def counts() -> tuple[int, int, int, int]:
+        return (sending.control.stats.sent, receiving.handled, receiving.control.stats.sent, sending.handled)
+
+    deadline = time.monotonic() + SETTLE_LIMIT
+    while True:
+        before = counts()
+        idle = sending.writer_idle()
+        behind = decode_behind(sending, receiving)
+        after = counts()
+        if idle and not behind and before == after and before[0] == before[1] and before[2] == before[3]:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the {sending.name} pair did not settle in {SETTLE_LIMIT}s: writer idle {idle}, "
+                f"decode behind {behind}, messages (sent, handled) both ways {after}"
+            )
+        time.sleep(0.0005)
+
+
+def _pair(sending: Settling, receiving: Settling, source: Pages, destination: Pages) -> BackendPair:
+    sending.register_pools(source.pools)
+    receiving.register_pools(destination.pools)
+    return BackendPair(
+        sender=sending,
+        receiver=receiving,
+        peer=sending.address,
+        write_source=source.write,
+        read_destination=destination.read,
+        write_destination=destination.write,
+        settle=lambda: settle_pair(sending, receiving),
+    )
+
+
+class RemoteConformance(BackendConformance):
+    """The kit, with a settle between closing a released request's rooms and reading the sender's gate."""
+
+    @precondition(lambda self: any(t.receiver.release_safe or t.receiver.closed for t in self.transfers))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        # The kit's own rule reads the sender's release_safe right after close(); a closed
+        # live sender here drains on the writer thread, so the kit would read a race.
+        ready = [t for t in self.transfers if t.receiver.release_safe or t.receiver.closed]
+        transfer = data.draw(st.sampled_from(ready), label="request")
+        if transfer.receiver.state is KVPoll.Success:
+            self.pair.settle()
+            self._check_integrity(transfer)
+        for handle, manager in ((transfer.sender, self.sender_manager), (transfer.receiver, self.receiver_manager)):
+            if not handle.closed:
+                manager.close(handle.room)
+        self.pair.settle()
+        self.transfers.remove(transfer)
+        self.finished.append(transfer)
+        if transfer.sender.release_safe or transfer.sender.state is KVPoll.Success:
+            self.free_source.extend(transfer.source)
+        if self.pair.write_destination is not None:
+            for page in transfer.destination:
+                self.pair.write_destination(page, POISON)
+            self.poisoned.update(transfer.destination)
+        self.free_destination.extend(transfer.destination)
+
+
+class MooncakeConformance(RemoteConformance):
+    def make_backends(self, sender: TransferManager, receiver: TransferManager) -> BackendPair:
+        source, destination = kept_mooncake("sender"), kept_mooncake("receiver")
+        return _pair(
+            SettlingMooncakeBackend(sender, source),
+            SettlingMooncakeBackend(receiver, destination),
+            source.pages,
+            destination.pages,
+        )
+
+
+class NixlConformance(RemoteConformance):
+    def make_backends(self, sender: TransferManager, receiver: TransferManager) -> BackendPair:
+        return _pair(SettlingNixlBackend(sender), SettlingNixlBackend(receiver), Pages(), Pages())
+
+
+MACHINES: dict[str, type[BackendConformance]] = {"mooncake": MooncakeConformance, "nixl": NixlConformance}
+
+
+def main(argv: list[str]) -> None:
+    """Run the kit over one engine in this process, then leave at once (no exit handlers: NIXL)."""
+    engine, examples, steps = argv[0], int(argv[1]), int(argv[2])
+    try:
+        run_state_machine_as_test(  # type: ignore[no-untyped-call]
+            MACHINES[engine], settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None)
+        )
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"conformance kit over {engine}: {examples} examples passed", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
