@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
+from kvfsm.simulate import default_args
 from kvfsm.simulate_remote import simulate_remote
 
 from .remote_peer import engine_missing
@@ -18,7 +17,7 @@ def test_simulate_remote_verifies_every_request(engine: str) -> None:
     missing = engine_missing(engine)
     if missing:
         pytest.skip(missing)
-    args = argparse.Namespace(
+    args = default_args(
         backend=engine,
         requests=40,
         pages=6,
@@ -29,7 +28,6 @@ def test_simulate_remote_verifies_every_request(engine: str) -> None:
         fail_rate=0.05,
         seed=3,
         no_progress=True,
-        json=None,
     )
     summary = simulate_remote(args)
     assert summary["ok"], summary["verification"]
