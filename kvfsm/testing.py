@@ -647,10 +647,14 @@ class BackendConformance(RuleBasedStateMachine):
         if _can_expect(transfer):
             transfer.expected = True
             self.pair.receiver.expect(transfer.receiver, transfer.destination)
+            # A cross-process sender may leave Bootstrapping only once the posted pages
+            # reach it: settled first, whether it can send is the same on every replay.
+            self.pair.settle()
         while _can_send(transfer):
             chunk = transfer.chunks[transfer.sent]
             transfer.sent += 1
             self.pair.sender.send(transfer.sender, chunk, last=transfer.sent == len(transfer.chunks))
+            self.pair.settle()
         self.settle()
 
     @precondition(lambda self: bool(self.transfers))

@@ -111,10 +111,6 @@ class EngineAdapter(abc.ABC):
     def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
         """Start writes into the peer's memory; `notify` (if the engine notifies) rides along."""
 
-    def notify(self, target: Any, message: bytes) -> None:
-        """Send a standalone notification (engines that notify the receiver)."""
-        raise NotImplementedError
-
     def receiver_notifications(self) -> list[bytes]:
         """New completion notifications that reached this (receiver) engine."""
         return []
@@ -124,7 +120,7 @@ class EngineAdapter(abc.ABC):
 
 
 class DoneJob(EngineJob):
-    """A commit marker that needed no write (no aux slot, nothing to notify)."""
+    """A commit marker that needed no write (no aux slot)."""
 
     def poll(self) -> str:
         return "done"

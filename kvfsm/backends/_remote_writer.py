@@ -3,9 +3,9 @@
 `send()` and the stop of a failed room only queue a command; one thread
 per prefill endpoint turns chunks into engine writes over coalesced page
 runs, polls them, reports `chunk_done`/`transfer_done`, writes the last
-chunk's commit marker (aux slot or notification) only after every KV
-write landed, and tells the decode (CHUNK/DONE, unless the engine
-notifies it). A stopped room issues nothing more; once none of its writes
+chunk's commit marker (the aux slot) only after every KV write landed,
+and tells the decode (CHUNK/DONE, unless the engine's notification rides
+on a write). A stopped room issues nothing more; once none of its writes
 is in flight (cancelled where the engine can) it reports `writes_drained`
 and sends ABORT_ACK, so the decode may reuse its pages. Living apart from
 the control messages (`_remote_sender`), it is the only code that talks to
@@ -35,14 +35,17 @@ logger = logging.getLogger("kvfsm.backends.remote")
 class Chunk:
     """One `send()` call: its source and destination pages, and the engine jobs writing them."""
 
-    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "submitted", "tail")
+    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "submitted", "tail", "tail_notifies")
 
     def __init__(self, src: list[int], dst: list[int], last: bool, aux_src: int | None, nbytes: int) -> None:
         self.src, self.dst, self.last, self.aux_src, self.nbytes = src, dst, last, aux_src, nbytes
         self.jobs: list[EngineJob] = []
         self.submitted = False
-        # The last chunk's commit marker (aux write or notification) goes out after every KV write landed.
+        # The last chunk's commit marker (an aux write) goes out after every KV write landed.
         self.tail: EngineJob | None = None
+        # True when the engine's notification rides on the tail's write; otherwise the decode
+        # learns of the completion from a control-plane DONE.
+        self.tail_notifies = False
 
 
 class SendRoom:
@@ -246,18 +249,26 @@ class WriterThread(RemoteEndpoint):
             send_room.chunks.popleft()
             handle.chunk_done(chunk.nbytes, last=True)
             handle.transfer_done()
-            if not self.engine.notifies_receiver:
+            if not chunk.tail_notifies:
                 self._notice(send_room, "DONE", {"nbytes": chunk.nbytes})
             moved = True
         return moved
 
     def _start_tail(self, peer: PeerRecord, send_room: SendRoom, chunk: Chunk) -> bool:
-        """Issue the commit marker of the last chunk; False if that failed (the room failed)."""
+        """Issue the commit marker of the last chunk; False if that failed (the room failed).
+
+        With no aux slot there is nothing to write, and nothing for an engine's
+        notification to ride on: a standalone one (NIXL's `send_notif`) only
+        leaves when something progresses the engine again, which for a room
+        with no pages is never. Such a room completes by control-plane DONE.
+        """
         assert self.pools is not None
         assert peer.pools is not None
-        note = notification(send_room.token, chunk.nbytes, last=True) if self.engine.notifies_receiver else None
         aux_run = [] if chunk.aux_src is None or send_room.aux is None else [(chunk.aux_src, send_room.aux, 1)]
-        job = self._issue(send_room, peer, page_writes(self.pools.aux, peer.pools.aux, aux_run), note)
+        writes = page_writes(self.pools.aux, peer.pools.aux, aux_run)
+        chunk.tail_notifies = bool(writes) and self.engine.notifies_receiver
+        note = notification(send_room.token, chunk.nbytes, last=True) if chunk.tail_notifies else None
+        job = self._issue(send_room, peer, writes, note)
         if job is None:
             return False
         chunk.tail = job
@@ -266,24 +277,14 @@ class WriterThread(RemoteEndpoint):
     def _issue(
         self, send_room: SendRoom, peer: PeerRecord, writes: list[Write], note: bytes | None
     ) -> EngineJob | None:
-        """Submit `writes` with `note` riding along, or send `note` alone; None if that failed (the room failed).
+        """Submit `writes` with `note` riding along; None if that failed (the room failed).
 
-        The job returned for a bare note (or for nothing) is already done: it
-        never enters the room's in-flight jobs, so nothing waits for it.
+        The job returned for no writes is already done: it never enters the
+        room's in-flight jobs, so nothing waits for it.
         """
         if writes:
             return self._submit(send_room, peer, writes, note)
-        if note is not None and not self._notify(send_room, peer, note):
-            return None
         return DoneJob()
-
-    def _notify(self, send_room: SendRoom, peer: PeerRecord, note: bytes) -> bool:
-        try:
-            self.engine.notify(peer.target, note)
-        except Exception as exc:
-            self._engine_error(send_room, f"{self.name} notification failed: {exc}")
-            return False
-        return True
 
     def _submit(
         self, send_room: SendRoom, peer: PeerRecord, writes: list[Write], note: bytes | None

@@ -10,9 +10,12 @@ A chunk's coalesced page runs become one NIXL transfer (one descriptor per
 run and KV region): `initialize_xfer("WRITE", ...)`, `transfer`, then
 `check_xfer_state` polled, "DONE"/"PROC"/"ERR" mapped to done/pending/
 failed. The last chunk's commit marker is a WRITE of the aux slot carrying
-a notification `kvfsm1|<token>|<nbytes>` (or a standalone notification
-when there is no aux slot): the decode reads it with `get_new_notifs` and
-completes the room, so completion needs no control-plane message. On
+a notification `kvfsm1|<token>|<nbytes>`: the decode reads it with
+`get_new_notifs` and completes the room, so completion needs no
+control-plane message. A room with no aux slot has nothing for the
+notification to ride on and completes by control-plane DONE instead: a
+standalone `send_notif` only leaves once something progresses the agent
+again, which for a room with no pages never happens. On
 abort, in-flight handles are released, which asks NIXL to cancel; a handle
 NIXL cannot cancel yet is kept and polled until it ends, and only then is
 the room reported drained.
@@ -181,10 +184,6 @@ class NixlEngine(EngineAdapter):
                 self.agent.release_xfer_handle(handle)
                 raise BackendError(f"NIXL transfer() of {detail} returned ERR")
         return _XferJob(self, handle, detail)
-
-    def notify(self, target: Any, message: bytes) -> None:
-        with self.lock:
-            self.agent.send_notif(target[0], message)
 
     def receiver_notifications(self) -> list[bytes]:
         with self.lock:

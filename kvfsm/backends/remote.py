@@ -19,7 +19,8 @@ the control plane of `kvfsm.backends.control`:
                                              send(h, chunk) ... send(h, last=True)
                                              engine writes, polled by a worker
                                      <-----  CHUNK / DONE notices (Mooncake), or
-                                             the WRITE notification (NIXL)
+                                             the WRITE notification (NIXL;
+                                             DONE when no aux write carries it)
       transfer_started, chunk_done, transfer_done
 
 Every room message carries a token minted by the decode at bootstrap:

@@ -252,3 +252,26 @@ def test_killed_prefill_fails_decode_rooms_with_peer_lost(engine: str) -> None:
             assert not decode["release_safe"]
     finally:
         pair.stop()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_first_room_with_no_pages_and_no_aux_completes(engine: str) -> None:
+    """Nothing to write at all, on a pair that never moved a byte: both sides still reach Success.
+
+    With NIXL such a room once completed only on the prefill: its completion
+    was a standalone notification, which stays queued until the agent is
+    progressed again, and on a fresh pair nothing ever did.
+    """
+    _skip_if_missing(engine)
+    pair = Pair(engine)
+    try:
+        room = next(_rooms)
+        pair.connect(room, [], aux=None)
+        pair.prefill.send(room, [], True, None)
+        decode = pair.decode.wait(room, ["Success", "Failed"], WAIT)
+        prefill = pair.prefill.wait(room, ["Success", "Failed"], WAIT)
+        assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
+        assert decode["nbytes"] == prefill["nbytes"] == 0
+        pair.close(room)
+    finally:
+        pair.stop()
