@@ -35,7 +35,7 @@ logger = logging.getLogger("kvfsm.backends.remote")
 class Chunk:
     """One `send()` call: its source and destination pages, and the engine jobs writing them."""
 
-    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "submitted", "tail", "tail_notifies")
+    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "submitted", "tail")
 
     def __init__(self, src: list[int], dst: list[int], last: bool, aux_src: int | None, nbytes: int) -> None:
         self.src, self.dst, self.last, self.aux_src, self.nbytes = src, dst, last, aux_src, nbytes
@@ -43,9 +43,6 @@ class Chunk:
         self.submitted = False
         # The last chunk's commit marker (an aux write) goes out after every KV write landed.
         self.tail: EngineJob | None = None
-        # True when the engine's notification rides on the tail's write; otherwise the decode
-        # learns of the completion from a control-plane DONE.
-        self.tail_notifies = False
 
 
 class SendRoom:
@@ -221,9 +218,10 @@ class WriterThread(RemoteEndpoint):
             if not chunk.submitted:
                 chunk.submitted = True
                 writes = page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst))
-                # With a notifying engine, a middle chunk's notification is its progress notice.
+                # A middle chunk's engine notification is its progress notice; the last
+                # chunk's rides on its commit marker (_start_tail).
                 note = None
-                if self.engine.notifies_receiver and not chunk.last:
+                if not chunk.last and self._notice_rides_on_write(send_room, chunk):
                     note = notification(send_room.token, chunk.nbytes, last=False)
                 job = self._issue(send_room, peer, writes, note)
                 if job is None:
@@ -238,7 +236,7 @@ class WriterThread(RemoteEndpoint):
             if not chunk.last:
                 send_room.chunks.popleft()
                 handle.chunk_done(chunk.nbytes)
-                if not self.engine.notifies_receiver:
+                if not self._notice_rides_on_write(send_room, chunk):
                     self._notice(send_room, "CHUNK", {"nbytes": chunk.nbytes, "last": False})
                 moved = True
                 continue
@@ -249,26 +247,32 @@ class WriterThread(RemoteEndpoint):
             send_room.chunks.popleft()
             handle.chunk_done(chunk.nbytes, last=True)
             handle.transfer_done()
-            if not chunk.tail_notifies:
+            if not self._notice_rides_on_write(send_room, chunk):
                 self._notice(send_room, "DONE", {"nbytes": chunk.nbytes})
             moved = True
         return moved
 
-    def _start_tail(self, peer: PeerRecord, send_room: SendRoom, chunk: Chunk) -> bool:
-        """Issue the commit marker of the last chunk; False if that failed (the room failed).
+    def _notice_rides_on_write(self, send_room: SendRoom, chunk: Chunk) -> bool:
+        """Whether the decode learns of `chunk` from an engine notification rather than CHUNK/DONE.
 
-        With no aux slot there is nothing to write, and nothing for an engine's
-        notification to ride on: a standalone one (NIXL's `send_notif`) only
-        leaves when something progresses the engine again, which for a room
-        with no pages is never. Such a room completes by control-plane DONE.
+        Only on a write: a standalone notification (NIXL's `send_notif`) leaves
+        only when something progresses the engine again, which for a room with
+        nothing more to write is never. The last chunk's write is its aux slot.
         """
+        if not self.engine.notifies_receiver:
+            return False
+        if chunk.last:
+            return chunk.aux_src is not None and send_room.aux is not None
+        return bool(chunk.src)
+
+    def _start_tail(self, peer: PeerRecord, send_room: SendRoom, chunk: Chunk) -> bool:
+        """Issue the commit marker of the last chunk; False if that failed (the room failed)."""
         assert self.pools is not None
         assert peer.pools is not None
         aux_run = [] if chunk.aux_src is None or send_room.aux is None else [(chunk.aux_src, send_room.aux, 1)]
-        writes = page_writes(self.pools.aux, peer.pools.aux, aux_run)
-        chunk.tail_notifies = bool(writes) and self.engine.notifies_receiver
-        note = notification(send_room.token, chunk.nbytes, last=True) if chunk.tail_notifies else None
-        job = self._issue(send_room, peer, writes, note)
+        rides = self._notice_rides_on_write(send_room, chunk)
+        note = notification(send_room.token, chunk.nbytes, last=True) if rides else None
+        job = self._issue(send_room, peer, page_writes(self.pools.aux, peer.pools.aux, aux_run), note)
         if job is None:
             return False
         chunk.tail = job

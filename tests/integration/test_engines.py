@@ -273,5 +273,16 @@ def test_first_room_with_no_pages_and_no_aux_completes(engine: str) -> None:
         assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
         assert decode["nbytes"] == prefill["nbytes"] == 0
         pair.close(room)
+        # An empty middle chunk is announced too: both sides count the same chunks.
+        room = next(_rooms)
+        pair.connect(room, [0, 1], aux=None)
+        pair.prefill.send(room, [], False, None)
+        pair.prefill.send(room, [2, 3], True, None)
+        decode = pair.decode.wait(room, ["Success", "Failed"], WAIT)
+        prefill = pair.prefill.wait(room, ["Success", "Failed"], WAIT)
+        assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
+        assert decode["chunks"] == prefill["chunks"] == 2
+        assert decode["nbytes"] == prefill["nbytes"] > 0
+        pair.close(room)
     finally:
         pair.stop()
