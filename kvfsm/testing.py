@@ -599,6 +599,8 @@ class BackendConformance(RuleBasedStateMachine):
         )
         bounds = [0, *[c for c in cuts if 0 < c < count], count]
         chunks = [source[a:b] for a, b in itertools.pairwise(bounds)] or [[]]
+        if count and data.draw(st.booleans(), label="empty last chunk"):
+            chunks.append([])  # SGLang's pattern: the pages, then send([], last=True) for the aux slot
         for page in source:
             self.free_source.remove(page)
         for page in destination:
