@@ -369,7 +369,9 @@ class TransferManager:
 
     def _open(self, room: RoomId) -> TransferHandle:
         """`open` with due deadlines, observers or a duplicate to deal with."""
-        notices: list[StateChange] = []
+        # Notices go straight into the outbox under the lock, so the outbox holds
+        # every room's steps in the order they happened (rule 16).
+        notices = self._outbox
         expired: list[TransferHandle] = []
         try:
             with self._lock:
@@ -422,7 +424,9 @@ class TransferManager:
 
     def check_deadlines(self) -> list[RoomId]:
         """Fail every room whose phase deadline passed; return their ids."""
-        notices: list[StateChange] = []
+        # Notices go straight into the outbox under the lock, so the outbox holds
+        # every room's steps in the order they happened (rule 16).
+        notices = self._outbox
         expired: list[TransferHandle] = []
         with self._lock:
             self._expire(self._clock(), expired, notices)
@@ -514,7 +518,9 @@ class TransferManager:
         nbytes: int = 0,
         last: bool = False,
     ) -> bool:
-        notices: list[StateChange] = []
+        # Notices go straight into the outbox under the lock, so the outbox holds
+        # every room's steps in the order they happened (rule 16).
+        notices = self._outbox
         expired: list[TransferHandle] = []
         applied = False
         late: KVPoll | None = None
@@ -593,7 +599,7 @@ class TransferManager:
         step: Step,
         now: float,
         reason: FailureReason | None,
-        notices: list[StateChange],
+        notices: deque[StateChange],
         nbytes: int = 0,
         last: bool = False,
     ) -> None:
@@ -615,7 +621,7 @@ class TransferManager:
                 )
             )
 
-    def _expire(self, now: float, expired: list[TransferHandle], notices: list[StateChange]) -> None:
+    def _expire(self, now: float, expired: list[TransferHandle], notices: deque[StateChange]) -> None:
         """Fail every room whose deadline is due (lock held)."""
         deadlines = self._table.deadlines
         for handle, state, limit in deadlines.due(now):
@@ -629,12 +635,11 @@ class TransferManager:
             expired.append(cast(TransferHandle, handle))
         deadlines.refresh()
 
-    def _after(self, expired: list[TransferHandle], notices: list[StateChange]) -> None:
-        """Outside the lock: log timeouts, hand notices to observers."""
+    def _after(self, expired: list[TransferHandle], notices: deque[StateChange]) -> None:
+        """Outside the lock: log timeouts, hand the queued notices to observers."""
         for handle in expired:
             logger.warning("kvfsm %s room %r timed out: %s", self.role.value, handle.room, handle.reason)
         if notices:
-            self._outbox.extend(notices)
             self._dispatch()
 
     def _dispatch(self) -> None:
@@ -734,12 +739,13 @@ class TransferManager:
                         self._closed_older, self._closed = closed, {}
                 if self._observers:
                     notice = StateChange(self.role, room, handle.generation, "close", handle.state, None, self._clock())
+                    self._outbox.append(notice)
         finally:
             lock.release()
         if closed_already:
             raise self._unknown(handle.room)
         if notice is not None:
-            self._after([], [notice])
+            self._dispatch()
 
     def _unknown(self, room: RoomId) -> UnknownRoom:
         live = self._rooms.get(room)

@@ -9,9 +9,11 @@ ever see a room leave a terminal state.
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -153,3 +155,70 @@ def test_open_close_churn_from_many_threads() -> None:
         else:
             assert change.room in open_rooms
     assert not open_rooms
+
+
+def test_observers_see_each_rooms_steps_in_order_under_racing_threads() -> None:
+    """Rule 16: a room's notices chain (each source is the previous dest), exactly once.
+
+    Three threads race on one room per round: one bootstraps it, two fail it
+    (only one of those applies). Queuing notices after the lock was released
+    let the failure's notice overtake the bootstrap's (defect 10 of issue 11):
+    metrics then counted a room leaving a state it never entered.
+    """
+    manager = TransferManager("receiver")
+    # Widen the gap after each release of the manager's lock, as a busy machine
+    # does: another thread's whole step then fits into it.
+    manager._lock = _YieldingLock()  # type: ignore[assignment]
+    seen: dict[tuple[int, int], list[StateChange]] = {}
+
+    def observer(change: StateChange) -> None:
+        seen.setdefault((change.room, change.generation), []).append(change)
+
+    manager.subscribe(observer)
+    rounds = 300
+    barrier = threading.Barrier(3)
+    handles: list[TransferHandle] = []
+    reason = FailureReason(FailureKind.TRANSFER_ERROR, "racing failure")
+
+    def run(step: Callable[[TransferHandle], object]) -> None:
+        for index in range(rounds):
+            barrier.wait()
+            step(handles[index])
+
+    handles.extend(manager.open(room) for room in range(rounds))
+    threads = [
+        threading.Thread(target=run, args=(lambda h: h.bootstrapped(),)),
+        threading.Thread(target=run, args=(lambda h: h.abort("racing abort"),)),
+        threading.Thread(target=run, args=(lambda h: h.fail(reason),)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for handle in handles:
+        handle.close()
+    assert len(seen) == rounds
+    for key, changes in seen.items():
+        assert changes[0].event == "open" and changes[-1].event == "close", (key, changes)
+        for before, after in itertools.pairwise(changes):
+            assert after.source is before.dest, (key, [(c.event, c.source, c.dest) for c in changes])
+
+
+class _YieldingLock:
+    """A lock that lets other threads run right after each release."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+        time.sleep(0.0001)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
