@@ -27,6 +27,7 @@ This package imports neither torch nor zmq; the adapters under
 from ._errors import (
     ConfigError,
     DuplicateRoom,
+    InvalidRoomId,
     InvalidTransition,
     KVFSMError,
     KVTransferError,
@@ -35,7 +36,18 @@ from ._errors import (
 )
 from ._manager import TransferHandle, TransferManager
 from ._observe import Observer, StateChange
-from ._states import NON_TERMINAL, TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
+from ._states import (
+    MAX_REASON_CHARS,
+    MAX_ROOM_ID_CHARS,
+    NON_TERMINAL,
+    TERMINAL,
+    FailureKind,
+    FailureReason,
+    KVPoll,
+    Role,
+    RoomId,
+    Timeouts,
+)
 from ._status import ManagerStats
 from ._table import EVENTS, TRANSITIONS, TransitionSpec
 
@@ -47,6 +59,8 @@ __all__ = [
     "NON_TERMINAL",
     "Role",
     "RoomId",
+    "MAX_ROOM_ID_CHARS",
+    "MAX_REASON_CHARS",
     "Timeouts",
     "FailureKind",
     "FailureReason",
@@ -64,6 +78,7 @@ __all__ = [
     "InvalidTransition",
     "DuplicateRoom",
     "UnknownRoom",
+    "InvalidRoomId",
     "RoomNotFailed",
     "__version__",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "DuplicateRoom",
     "UnknownRoom",
     "RoomNotFailed",
+    "InvalidRoomId",
 ]
 
 
@@ -108,3 +109,23 @@ class RoomNotFailed(KVFSMError, RuntimeError):
 
     def __str__(self) -> str:
         return f"room {self.room!r} has not failed (it is {self.state.name}); there is no failure to raise"
+
+
+class InvalidRoomId(KVFSMError, TypeError, ValueError):
+    """A room id that no manager method accepts: not an int or str, or beyond what the wire carries.
+
+    It is a `TypeError` for a value of the wrong type (`True`, `1.0`, `None`)
+    and a `ValueError` for one out of range (`""`, a 2,000-character string,
+    an int beyond 64 bits); catch it as either, or as `KVFSMError`.
+    """
+
+    def __init__(self, room: object, expected: str) -> None:
+        self.room = room
+        self.expected = expected
+        super().__init__(room, expected)
+
+    def __str__(self) -> str:
+        shown = repr(self.room)
+        if len(shown) > 80:
+            shown = f"{shown[:60]}... ({len(shown)} characters)"
+        return f"room must be {self.expected}; got {type(self.room).__name__}: {shown}"

@@ -29,7 +29,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ._machine import CompiledEngine, compile_source, indent
-from ._states import FailureKind, FailureReason, KVPoll
+from ._states import MAX_REASON_CHARS, FailureKind, FailureReason, KVPoll, bounded_message
 
 if TYPE_CHECKING:
     from ._manager import TransferHandle, TransferManager
@@ -53,7 +53,8 @@ def new_reason(kind: FailureKind, message: str, state: KVPoll | None, from_peer:
     """
     reason: FailureReason = _new_object(FailureReason)
     _set_kind(reason, kind)
-    _set_message(reason, message)
+    # The one conversion the constructor makes: a message too long for the wire is cut.
+    _set_message(reason, message if len(message) <= MAX_REASON_CHARS else bounded_message(message))
     _set_state(reason, state)
     _set_from_peer(reason, from_peer)
     return reason

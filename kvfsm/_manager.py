@@ -49,10 +49,29 @@ from types import TracebackType
 from typing import NoReturn, cast
 
 from . import _fastpath
-from ._errors import ConfigError, DuplicateRoom, InvalidTransition, KVTransferError, RoomNotFailed, UnknownRoom
+from ._errors import (
+    ConfigError,
+    DuplicateRoom,
+    InvalidRoomId,
+    InvalidTransition,
+    KVTransferError,
+    RoomNotFailed,
+    UnknownRoom,
+)
 from ._machine import ENGINES, CompiledEngine, Step, StepRun, lifecycle_machine
 from ._observe import Observer, StateChange
-from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
+from ._states import (
+    MAX_INT_ROOM_ID,
+    MAX_ROOM_ID_CHARS,
+    MIN_INT_ROOM_ID,
+    TERMINAL,
+    FailureKind,
+    FailureReason,
+    KVPoll,
+    Role,
+    RoomId,
+    Timeouts,
+)
 from ._status import ManagerStats, StatusTable
 
 __all__ = ["TransferManager", "TransferHandle"]
@@ -71,9 +90,26 @@ _PHASE_NAMES = {
 }
 
 
+_ROOM_ID_EXPECTED = (
+    f"an int in [{MIN_INT_ROOM_ID}, {MAX_INT_ROOM_ID}] or a str of 1 to {MAX_ROOM_ID_CHARS} characters "
+    "(a bootstrap room id)"
+)
+
+
 def _check_room_id(room: object) -> None:
-    if isinstance(room, bool) or not isinstance(room, (int, str)):
-        raise TypeError(f"room must be an int or a str (a bootstrap room id); got {type(room).__name__}: {room!r}")
+    """Refuse what no method accepts as a room id; every method checks the same way.
+
+    `True` and `1.0` hash like room 1, so a lookup alone would find room 1:
+    the type is checked before any lookup, not only at `open`.
+    """
+    cls = room.__class__
+    if cls is int:
+        if MIN_INT_ROOM_ID <= room <= MAX_INT_ROOM_ID:  # type: ignore[operator]
+            return
+    elif cls is str:
+        if 0 < len(room) <= MAX_ROOM_ID_CHARS:  # type: ignore[arg-type]
+            return
+    raise InvalidRoomId(room, _ROOM_ID_EXPECTED)
 
 
 class TransferHandle:
@@ -299,6 +335,8 @@ class TransferManager:
 
     def status(self, room: RoomId) -> KVPoll:
         """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
+        if room.__class__ is not int and room.__class__ is not str:
+            _check_room_id(room)
         if self._clock() >= self._deadlines.next_due:
             self.check_deadlines()
         try:
@@ -308,6 +346,8 @@ class TransferManager:
 
     def get(self, room: RoomId) -> TransferHandle:
         """The handle of the open room; `UnknownRoom` if not open."""
+        if room.__class__ is not int and room.__class__ is not str:
+            _check_room_id(room)
         try:
             return self._rooms[room]
         except KeyError:
@@ -334,7 +374,8 @@ class TransferManager:
         return len(self._rooms)
 
     def __contains__(self, room: object) -> bool:
-        return room in self._rooms
+        # `True in manager` must not find room 1 (see _check_room_id).
+        return (room.__class__ is int or room.__class__ is str) and room in self._rooms
 
     def __iter__(self) -> Iterator[TransferHandle]:
         """A snapshot of the open rooms' handles."""
@@ -348,8 +389,7 @@ class TransferManager:
 
     def open(self, room: RoomId) -> TransferHandle:
         """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
-        if room.__class__ is not int and room.__class__ is not str:
-            _check_room_id(room)
+        _check_room_id(room)
         lock = self._lock
         lock.acquire()
         try:
@@ -399,6 +439,8 @@ class TransferManager:
         A room still in flight is aborted first, so nothing that waits on it
         hangs. Free its pages before closing, once `release_safe(room)`.
         """
+        if room.__class__ is not int and room.__class__ is not str:
+            _check_room_id(room)
         handle = self._rooms.get(room)
         if handle is None:
             raise self._unknown(room)
@@ -747,7 +789,11 @@ class TransferManager:
         if notice is not None:
             self._dispatch()
 
-    def _unknown(self, room: RoomId) -> UnknownRoom:
+    def _unknown(self, room: RoomId) -> UnknownRoom | InvalidRoomId:
+        try:
+            _check_room_id(room)  # "" or a 2,000-character id: say that, as open() does
+        except InvalidRoomId as exc:
+            return exc
         live = self._rooms.get(room)
         if live is not None:  # a stale handle of a reopened room
             return UnknownRoom(

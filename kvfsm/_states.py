@@ -21,6 +21,10 @@ import attrs
 
 __all__ = [
     "RoomId",
+    "MIN_INT_ROOM_ID",
+    "MAX_INT_ROOM_ID",
+    "MAX_ROOM_ID_CHARS",
+    "MAX_REASON_CHARS",
     "KVPoll",
     "TERMINAL",
     "NON_TERMINAL",
@@ -33,6 +37,16 @@ __all__ = [
 
 #: A room id: SGLang's integer bootstrap room, or a string request id.
 RoomId: TypeAlias = int | str
+
+#: Room ids every method accepts and every control-plane frame can carry:
+#: ints that fit 64 bits (signed or unsigned; SGLang's rooms are 63-bit),
+#: strings of 1 to `MAX_ROOM_ID_CHARS` characters.
+MIN_INT_ROOM_ID = -(1 << 63)
+MAX_INT_ROOM_ID = (1 << 64) - 1
+MAX_ROOM_ID_CHARS = 1024
+#: Failure messages longer than this are cut (with a marker saying how much
+#: was cut), so a reason always fits the frame that tells the peer.
+MAX_REASON_CHARS = 2048
 
 
 class KVPoll(enum.IntEnum):
@@ -98,7 +112,18 @@ def _check_kind(_instance: object, _attribute: attrs.Attribute[Any], value: obje
 
 def _check_message(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, str):
-        raise TypeError(f"FailureReason.message must be a str; got {type(value).__name__}: {value!r}")
+        raise TypeError(f"FailureReason.message must be a str; got {type(value).__name__}: {value!r:.200}")
+
+
+def bounded_message(value: object) -> object:
+    """Cut a failure message to `MAX_REASON_CHARS`, saying how much was cut (non-str passes to the check)."""
+    if isinstance(value, str) and len(value) > MAX_REASON_CHARS:
+        marker, previous = "", None
+        while marker != previous:  # the marker's own length depends on the count it shows
+            previous = marker
+            marker = f" [... {len(value) - (MAX_REASON_CHARS - len(marker))} more characters cut]"
+        return value[: MAX_REASON_CHARS - len(marker)] + marker
+    return value
 
 
 def _check_state(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -116,7 +141,7 @@ class FailureReason:
     """
 
     kind: FailureKind = attrs.field(validator=_check_kind)
-    message: str = attrs.field(default="", validator=_check_message)
+    message: str = attrs.field(default="", converter=bounded_message, validator=_check_message)
     state: KVPoll | None = attrs.field(default=None, validator=_check_state)
     from_peer: bool = attrs.field(default=False, converter=bool)
 

@@ -10,7 +10,7 @@ import weakref
 import pytest
 
 import kvfsm
-from kvfsm import FailureKind, FailureReason, KVPoll, StateChange, Timeouts, TransferManager
+from kvfsm import FailureKind, FailureReason, KVPoll, RoomId, StateChange, Timeouts, TransferManager
 from tests.helpers import FakeClock
 from tests.lifecycle import open_in
 
@@ -479,9 +479,41 @@ def test_failures_and_invalid_events_are_logged_with_room(caplog: pytest.LogCapt
 @pytest.mark.parametrize("room", [None, 1.5, True, (1, 2), b"x"])
 def test_bad_room_ids_are_type_errors(room: object) -> None:
     manager = TransferManager("sender")
-    with pytest.raises(TypeError, match="room must be an int or a str"):
+    with pytest.raises(TypeError, match="room must be an int in .* or a str of 1 to 1024 characters"):
         manager.open(room)  # type: ignore[arg-type]
     assert len(manager) == 0
+
+
+@pytest.mark.parametrize("method", ["open", "status", "get", "failure", "release_safe", "close"])
+@pytest.mark.parametrize("room", [True, 1.0, None, "", "r" * (kvfsm.MAX_ROOM_ID_CHARS + 1), 1 << 64, -(1 << 63) - 1])
+def test_room_ids_are_validated_identically_on_every_method(method: str, room: object) -> None:
+    """`True` and `1.0` hash like room 1: a lookup alone would answer for room 1 (issue 11, defect 11)."""
+    manager = TransferManager("sender")
+    one = manager.open(1)
+    with pytest.raises(kvfsm.InvalidRoomId, match="room must be an int in") as caught:
+        getattr(manager, method)(room)
+    assert isinstance(caught.value, (TypeError, ValueError))
+    assert room not in manager
+    assert manager.status(1) is KVPoll.Bootstrapping and one.state is KVPoll.Bootstrapping and len(manager) == 1
+
+
+@pytest.mark.parametrize("room", [0, 1 << 63, (1 << 64) - 1, -(1 << 63), "r", "r" * kvfsm.MAX_ROOM_ID_CHARS])
+def test_room_ids_at_the_limits_are_accepted(room: RoomId) -> None:
+    manager = TransferManager("sender")
+    handle = manager.open(room)
+    assert manager.status(room) is KVPoll.Bootstrapping and manager.get(room) is handle
+    manager.close(room)
+
+
+def test_a_long_reason_is_cut_with_a_marker_saying_how_much() -> None:
+    manager = TransferManager("sender")
+    handle = manager.open(1)
+    handle.abort("x" * 100_000)
+    message = handle.reason.message if handle.reason else ""
+    assert len(message) == kvfsm.MAX_REASON_CHARS
+    kept, _, marker = message.partition(" [... ")
+    assert kept == "x" * len(kept) and marker == f"{100_000 - len(kept)} more characters cut]"
+    assert FailureReason(FailureKind.ABORTED, "short").message == "short"
 
 
 def test_bad_event_arguments_leave_every_room_untouched() -> None:
