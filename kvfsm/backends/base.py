@@ -263,24 +263,54 @@ def _per_layer(buffers: Any) -> list[Any]:
     return list(buffers.unbind(0))
 
 
-def check_pages(room: Hashable, pages: Iterable[int], limit: int, what: str) -> list[int]:
-    """Validate page (or aux slot) indices: ints in [0, limit). Returns them as a list.
+def _is_index(value: object) -> bool:
+    """An int (not a bool), or a numpy/torch integer scalar: never a float or a str."""
+    if value.__class__ is int:
+        return True
+    if isinstance(value, bool) or isinstance(value, (float, str, bytes)):
+        return False
+    if isinstance(value, int):
+        return True
+    # numpy.int64 and friends: integer by dtype, exact under __index__.
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and str(dtype).removeprefix("torch.").startswith(("int", "uint")) and hasattr(
+        value, "__index__"
+    )
 
-    Raises `TransferInputError` naming the room and the first bad index.
+
+def check_pages(room: Hashable, pages: Iterable[int], limit: int, what: str, *, unique: bool = False) -> list[int]:
+    """Validate page (or aux slot) indices: integers in [0, limit), unique if asked. Returns them as a list.
+
+    Integers only (numpy integer types too): `1.9` is refused, not rounded to
+    page 1, and neither `"2"` nor `True` stands for a page. Destination pages
+    are `unique`: two of a room's chunks landing in one page would make its
+    KV wrong whatever the order. Raises `TransferInputError` naming the room
+    and the first bad index.
     """
-    try:
-        checked = [int(p) for p in pages]
-    except (TypeError, ValueError) as exc:
-        raise TransferInputError(room, f"{what} must be integers; {exc}") from None
+    checked: list[int] = []
+    for position, page in enumerate(pages):
+        if not _is_index(page):
+            raise TransferInputError(
+                room, f"{what}[{position}] must be an integer page index; got {type(page).__name__}: {page!r:.40}"
+            )
+        checked.append(page.__index__())
     for position, page in enumerate(checked):
         if not 0 <= page < limit:
             raise TransferInputError(
                 room, f"{what}[{position}] = {page} is out of range: the pool has {limit} (valid 0..{limit - 1})"
             )
+    if unique and len(set(checked)) != len(checked):
+        seen: set[int] = set()
+        for position, page in enumerate(checked):
+            if page in seen:
+                raise TransferInputError(
+                    room, f"{what}[{position}] = {page} appears twice: each page may receive only one page of KV"
+                )
+            seen.add(page)
     return checked
 
 
-def _as_index_list(room: Hashable, pages: Any, what: str) -> Sequence[int]:
+def _as_index_list(room: Hashable, pages: Any, what: str) -> Sequence[Any]:
     """Accept a list/tuple/range of ints, a 1-D integer tensor or numpy array."""
     if isinstance(pages, (list, tuple, range)):
         return pages
@@ -481,9 +511,20 @@ class KVBackend(abc.ABC):
     ) -> tuple[list[int], int | None]:
         assert self.pools is not None
         try:
-            checked = check_pages(handle.room, _as_index_list(handle.room, pages, what), self.pools.num_pages, what)
+            checked = check_pages(
+                handle.room,
+                _as_index_list(handle.room, pages, what),
+                self.pools.num_pages,
+                what,
+                unique=self.role is Role.RECEIVER,
+            )
             aux: int | None = None
             if aux_index is not None:
+                if not _is_index(aux_index):
+                    raise TransferInputError(
+                        handle.room,
+                        f"aux_index must be an integer slot or None; got {type(aux_index).__name__}: {aux_index!r:.40}",
+                    )
                 if self.pools.num_aux_slots == 0:
                     raise TransferInputError(
                         handle.room, f"aux_index {aux_index} given but no aux region is registered"

@@ -373,7 +373,10 @@ def test_source_page_out_of_range() -> None:
         (torch.tensor([1.0, 2.0]), "integer dtype"),
         (torch.tensor([[1, 2]]), "must be 1-D"),
         ("12", "sequence of ints"),
-        ([1, "x"], "must be integers"),
+        ([1, "x"], "must be an integer page index"),
+        ([1.9, 2.2], "must be an integer page index; got float"),
+        ([True, 2], "must be an integer page index; got bool"),
+        ([3, 3], r"destination pages\[1\] = 3 appears twice"),
     ],
 )
 def test_page_lists_of_the_wrong_type(pages: object, match: str) -> None:
@@ -382,6 +385,20 @@ def test_page_lists_of_the_wrong_type(pages: object, match: str) -> None:
         with pytest.raises(TransferInputError, match=match):
             pair.rb.expect(recv, pages)
         assert recv.state is KVPoll.Failed
+
+
+@pytest.mark.parametrize("aux", [True, 1.5, "1"])
+def test_an_aux_index_must_be_an_integer_slot(aux: object) -> None:
+    with local_pair() as pair:
+        _send, recv = pair.open(4)
+        with pytest.raises(TransferInputError, match="aux_index must be an integer slot or None"):
+            pair.rb.expect(recv, [1], aux_index=aux)  # type: ignore[arg-type]
+        assert recv.state is KVPoll.Failed
+        send, recv = pair.open(5)
+        pair.rb.expect(recv, [1], aux_index=0)
+        with pytest.raises(TransferInputError, match="aux_index must be an integer slot or None"):
+            pair.sb.send(send, [1], last=True, aux_index=aux)  # type: ignore[arg-type]
+        assert send.state is KVPoll.Failed
 
 
 def test_mismatched_page_counts_too_many_and_too_few() -> None:

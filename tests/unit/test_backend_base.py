@@ -80,8 +80,28 @@ def test_check_pages_names_room_position_and_range() -> None:
     assert check_pages(3, [0, 4], 5, "pages") == [0, 4]
     with pytest.raises(TransferInputError, match=r"room 3: pages\[1\] = 5 is out of range: the pool has 5"):
         check_pages(3, [0, 5], 5, "pages")
-    with pytest.raises(TransferInputError, match="must be integers"):
+    with pytest.raises(TransferInputError, match=r"pages\[0\] must be an integer page index; got NoneType"):
         check_pages("r", [None], 5, "pages")  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("bad", [1.9, 2.0, "2", True, None, b"1"])
+def test_page_indices_must_be_integers_not_converted(bad: object) -> None:
+    """`[1.9, 2.2]` used to become pages 1 and 2 and end Success (issue 11, defect 11)."""
+    with pytest.raises(TransferInputError, match=r"pages\[1\] must be an integer page index"):
+        check_pages(7, [0, bad], 5, "pages")  # type: ignore[list-item]
+
+
+def test_numpy_integers_are_page_indices() -> None:
+    numpy = pytest.importorskip("numpy", reason="numpy integer scalars need numpy")
+    assert check_pages(7, [numpy.int64(3), numpy.uint8(4), numpy.int32(0)], 5, "pages") == [3, 4, 0]
+    with pytest.raises(TransferInputError, match="must be an integer page index; got float64"):
+        check_pages(7, [numpy.float64(3)], 5, "pages")
+
+
+def test_destination_pages_must_be_unique() -> None:
+    assert check_pages(7, [3, 3], 5, "pages") == [3, 3]  # sources may repeat
+    with pytest.raises(TransferInputError, match=r"pages\[2\] = 3 appears twice"):
+        check_pages(7, [3, 1, 3], 5, "pages", unique=True)
 
 
 def test_registry_knows_every_designed_backend_and_loads_lazily() -> None:
