@@ -17,7 +17,7 @@ from typing import Any
 
 from .base import BackendError, MemoryRegion
 
-__all__ = ["DoneJob", "EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
+__all__ = ["EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
 
 #: One write: (source address, destination address, length in bytes).
 Write = tuple[int, int, int]
@@ -88,9 +88,10 @@ class EngineAdapter(abc.ABC):
     """The engine-specific part of a cross-process backend."""
 
     name: str = "?"
-    #: True when the engine tells the receiver about completion itself (NIXL
-    #: notifications); False when the prefill sends CHUNK/DONE notices.
-    notifies_receiver: bool = False
+    #: True when writes into this (receiving) endpoint only progress while it polls its
+    #: engine (NIXL without its progress thread): the decode then calls `progress()` often
+    #: while a prefill may be writing into it.
+    receiver_progress: bool = False
 
     @abc.abstractmethod
     def register(self, regions: list[MemoryRegion]) -> None:
@@ -108,19 +109,12 @@ class EngineAdapter(abc.ABC):
         return
 
     @abc.abstractmethod
-    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
-        """Start writes into the peer's memory; `notify` (if the engine notifies) rides along."""
+    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
+        """Start writes into the peer's memory; the job tells when they ended."""
 
-    def receiver_notifications(self) -> list[bytes]:
-        """New completion notifications that reached this (receiver) engine."""
-        return []
+    def progress(self) -> None:
+        """Let the engine move incoming writes along (see `receiver_progress`)."""
+        return
 
     def close(self) -> None:
         return
-
-
-class DoneJob(EngineJob):
-    """A commit marker that needed no write (no aux slot)."""
-
-    def poll(self) -> str:
-        return "done"

@@ -1,246 +1,295 @@
 """The decode (receiver) half of a remote endpoint.
 
-A decode endpoint says HELLO to each prefill it meets, sends each room's
-destination pages and aux slot (ROOM) once the handshake is answered, and
-turns what comes back into lifecycle events: the prefill's CHUNK/DONE
-notices or the engine's own notifications (NIXL), ABORT and ABORT_ACK.
-Every room carries a token minted here at bootstrap; a message naming a
-room with another token is stale and dropped. A failed room is released
-(`writes_drained`) only once the prefill's ABORT_ACK proves none of its
-writes into our pages is in flight, or at once if it never got the pages.
+A decode endpoint opens one session per prefill it meets (HELLO, answered
+by HELLO_ACK), mints a generation for every `bootstrap()`, claims the
+prefill's room with its pages when the scheduler calls `expect()` (ROOM),
+and turns what the prefill's session says back (CHUNK, DONE, ABORT,
+ABORT_ACK) into lifecycle events. Each room's wire record moves only by
+`wire.DECODE_TABLE`; a frame the table does not take in the record's state
+is dropped and counted (`remote_stats.stale_messages`), so a late DONE
+never reaches a failed room and a duplicated ABORT_ACK never opens anything.
+
+Release (rule 13): a failed room is reported drained only when the prefill
+cannot write into its pages any more: it never claimed them, or its
+ABORT_ACK said none of its writes is in flight, or its DONE said every write
+had landed. A lost session leaves that to the drain deadline.
+
+The aux slot: a DONE that carries the aux bytes (both aux pools in host
+memory) is copied into the slot under the endpoint's lock before the record
+moves to DONE, so a room failed meanwhile is never reported drained while
+the copy may still run.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
-import time
-import uuid
-from collections.abc import Hashable
+from typing import Any
 
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
-from ._remote_wire import PeerRecord, RemoteEndpoint, parse_notification, peer_reason, pools_from_fields
+from . import wire
+from ._remote_endpoint import Fire, RemoteEndpoint, new_generation, peer_reason, pools_from_fields, step
+from ._sessions import Session, SessionState
 from .base import BackendError
-from .control import ControlMessage
 
-__all__ = ["ReceiverSide"]
+__all__ = ["ReceiverSide", "RecvRecord"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
-#: While a decode expects data it polls a notifying engine every _BUSY_TICK
-#: seconds, for _BUSY_SPAN seconds after its last page request or notification.
+_D = wire.DecodeWire
+#: States in which the prefill may still write into the room's pages.
+_CLAIMED = frozenset({_D.CLAIMED, _D.RECEIVING})
+#: States in which nothing of the prefill can land any more: release-safe once failed.
+_QUIET = frozenset({_D.SETTLED, _D.UNTOLD, _D.DONE})
+#: While a notifying engine may be writing into us, poll it this often (seconds).
 _BUSY_TICK = 0.0001
-_BUSY_SPAN = 0.05
 
 
-class RecvRoom:
-    """One decode room: its token, its prefill, the pages it expects and whether the prefill has them."""
+class RecvRecord:
+    """One decode generation of a room: its handle, session, generation and claim."""
 
-    __slots__ = ("aux", "handle", "pages", "pages_sent", "peer", "peer_aborted", "token")
+    __slots__ = ("aux", "gen", "handle", "pages", "pgen", "session", "wire")
 
-    def __init__(self, handle: TransferHandle, token: str, peer: str) -> None:
+    def __init__(self, handle: TransferHandle, session: Session) -> None:
         self.handle = handle
-        self.token = token
-        self.peer = peer
-        self.pages: list[int] | None = None
+        self.session = session
+        self.gen = new_generation()
+        self.pgen: int | None = None
+        self.pages: list[int] = []
         self.aux: int | None = None
-        self.pages_sent = False
-        # Set when the prefill's ABORT failed this room: it knows, so no ABORT goes back.
-        self.peer_aborted = False
+        self.wire: wire.DecodeWire | None = None
+
+    def fields(self, kind: str) -> dict[str, Any]:
+        base: dict[str, Any] = {"room": self.handle.room, "gen": self.gen}
+        if kind == "ROOM":
+            return {**base, "pages": self.pages, "aux": self.aux}
+        reason = self.handle.reason
+        return {
+            **base,
+            "pgen": self.pgen,
+            "kind": reason.kind.value if reason is not None else FailureKind.ABORTED.value,
+            "message": reason.message if reason is not None else "aborted",
+        }
 
 
 class ReceiverSide(RemoteEndpoint):
-    """Bootstrap, expect, stop and the control messages of a decode endpoint."""
+    """Bootstrap, expect, stop and the frames of a decode endpoint."""
 
-    _recv_by_token: dict[str, RecvRoom]
-    _recv_token_of: dict[tuple[Hashable, int], str]
-    _busy_until: float
-    # Decode rooms whose pages the prefill knows and whose data has not all landed.
-    _expecting: set[str]
+    _recv_by_handle: dict[tuple[Any, int], RecvRecord]
+    # Records the prefill may be writing into (a notifying engine is polled while any is).
+    _claimed: set[RecvRecord]
 
     def _init_receiver(self) -> None:
-        self._recv_by_token = {}
-        self._recv_token_of = {}
-        self._busy_until = 0.0
-        self._expecting = set()
+        self._recv_by_handle = {}
+        self._claimed = set()
 
-    def _forget_receiver(self, handle: TransferHandle) -> None:
-        with self._lock:
-            token = self._recv_token_of.pop((handle.room, handle.generation), None)
-            rec = None if token is None else self._recv_by_token.pop(token, None)
-            if token is not None:
-                self._expecting.discard(token)
-            if rec is not None:
-                peer = self._peers.get(rec.peer)
-                if peer is not None:
-                    peer.rooms.discard(rec.token)
-
-    def _receiver_rooms_of(self, peer: PeerRecord | None, answered: bool) -> list[tuple[TransferHandle, bool]]:
-        """The live rooms with a lost prefill, each with whether it answered the handshake (under the lock)."""
-        tokens = peer.rooms if peer is not None else set()
-        return [(self._recv_by_token[t].handle, answered) for t in tokens if t in self._recv_by_token]
+    # -- the scheduler's calls ------------------------------------------------------------------
 
     def _bootstrap_receiver(self, handle: TransferHandle, peer_addr: str) -> None:
-        token = uuid.uuid4().hex
-        rec = RecvRoom(handle, token, peer_addr)
-        hello = False
+        fire: Fire = []
         with self._lock:
-            self._recv_by_token[token] = rec
-            self._recv_token_of[(handle.room, handle.generation)] = token
-            peer = self._peers.get(peer_addr)
-            if peer is None:
-                peer = self._peers[peer_addr] = PeerRecord(peer_addr)
-                hello = True
-            peer.rooms.add(token)
-            answered, refused = peer.answered, peer.refused
-        if hello:
-            fields, blob = self._session()
-            self.control.watch(peer_addr)
-            self.control.send(
-                peer_addr, "HELLO", {"role": self.role.value, "engine": self.name, "session": fields}, blob
-            )
-        if refused is not None:
-            handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {peer_addr}: {refused}"))
-        elif answered:
-            handle.bootstrapped()
+            session = self.sessions.find_up(peer_addr)
+            if session is None:
+                session = self._open_session(peer_addr, fire)
+            rec = RecvRecord(handle, session)
+            step(wire.DECODE_TABLE, rec, "bootstrap")
+            session.records[rec.gen] = rec
+            self._recv_by_handle[(handle.room, handle.generation)] = rec
+            if session.state is SessionState.UP:
+                step(wire.DECODE_TABLE, rec, "session_up")
+                fire.append(handle.bootstrapped)
+        for event in fire:
+            event()
+
+    def _open_session(self, addr: str, fire: Fire) -> Session:
+        session, _evicted = self.sessions.open(addr, SessionState.HANDSHAKE)
+        session.channel = self.transport.connect(addr)
+        fields, blob = self._session_fields()
+        hello: dict[str, Any] = {
+            "addr": self.address,
+            "reply_sid": session.sid,
+            "reply_key": session.key,
+            "role": self.role.value,
+            "engine": self.name,
+            "session": fields,
+        }
+        hello["mac"] = self._mac("HELLO", hello, blob)
+        self.transport.send(session.channel, wire.encode("HELLO", hello, blob))
+        return session
 
     def _expect(self, handle: TransferHandle, pages: list[int], aux_index: int | None) -> None:
         with self._lock:
-            rec = self._recv_room_of(handle)
+            rec = self._recv_by_handle.get((handle.room, handle.generation))
             if rec is None:
                 raise BackendError(f"room {handle.room!r}: expect() before bootstrap()")
-            rec.pages, rec.aux = pages, aux_index
-            peer = self._peers.get(rec.peer)
-            ready = peer is not None and peer.answered
-        if ready:
-            self._send_room_pages(rec)
-
-    def _recv_room_of(self, handle: TransferHandle) -> RecvRoom | None:
-        token = self._recv_token_of.get((handle.room, handle.generation))
-        return None if token is None else self._recv_by_token.get(token)
-
-    def _send_room_pages(self, rec: RecvRoom) -> None:
-        if rec.pages_sent or rec.pages is None or rec.handle.is_terminal:
-            return
-        rec.pages_sent = True
-        self._expecting.add(rec.token)
-        self.control.send(
-            rec.peer, "ROOM", {"room": rec.handle.room, "token": rec.token, "pages": rec.pages, "aux": rec.aux}
-        )
+            if len(pages) > wire.MAX_PAGES:
+                problem = f"{len(pages)} destination pages; one room can claim at most {wire.MAX_PAGES}"
+            else:
+                problem = None
+                rec.pages, rec.aux = pages, aux_index
+                row = step(wire.DECODE_TABLE, rec, "expect")
+                if row is not None:
+                    self._claimed.add(rec)
+                    self._emit(rec.session, row, rec.fields)
+        if problem is not None:
+            self._reject(handle, problem)
 
     def _stop_receiver(self, handle: TransferHandle) -> None:
         with self._lock:
-            rec = self._recv_room_of(handle)
-            peer = None if rec is None else self._peers.get(rec.peer)
-        if rec is None:
+            rec = self._recv_by_handle.get((handle.room, handle.generation))
+            if rec is not None:
+                row = step(wire.DECODE_TABLE, rec, "fail")
+                if row is not None:
+                    self._emit(rec.session, row, rec.fields)
+                quiet = rec.wire in _QUIET
+                if rec.wire not in _CLAIMED:
+                    self._claimed.discard(rec)
+        if rec is None or quiet:
             handle.writes_drained()
-            return
-        self._expecting.discard(rec.token)
-        reason = handle.reason
-        if peer is not None and peer.answered and not rec.peer_aborted:
-            self._send_abort(rec.peer, handle.room, rec.token, reason)
-        if not rec.pages_sent:
-            # The prefill never learnt where to write: nothing of it can land here.
-            handle.writes_drained()
-        # Otherwise ABORT_ACK (or the drain deadline) opens the release gate.
 
-    def _receiver_progress(self, token: str, nbytes: int, last: bool) -> None:
-        rec = self._recv_by_token.get(token)
-        if rec is None:
-            self.remote_stats.stale_messages += 1
-            logger.debug("kvfsm %s: progress for unknown token %s dropped", self.name, token[:8])
+    def _forget_receiver(self, handle: TransferHandle) -> None:
+        with self._lock:
+            rec = self._recv_by_handle.pop((handle.room, handle.generation), None)
+            if rec is not None:
+                step(wire.DECODE_TABLE, rec, "close")
+                rec.session.records.pop(rec.gen, None)
+                self._claimed.discard(rec)
+
+    # -- frames --------------------------------------------------------------------------------
+
+    def _on_frame_receiver(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+        if frame.type == "HELLO_ACK":
+            self._on_hello_ack(session, frame, fire)
             return
+        rec = session.records.get(frame["gen"])
+        if rec is None or rec.handle.room != frame["room"]:
+            self.remote_stats.stale_messages += 1
+            return
+        pgen = frame["pgen"]
+        if pgen is not None:
+            if rec.pgen is None:
+                rec.pgen = pgen
+            elif pgen != rec.pgen:
+                self.remote_stats.wrong_generation += 1
+                return
+        kind = frame.type
+        if wire.DECODE_TABLE.row(rec.wire, f"recv {kind}") is None:
+            self.remote_stats.stale_messages += 1
+            return
+        if kind == "DONE" and not self._copy_aux(rec, frame):
+            size = len(frame.blob or b"")
+            reason = FailureReason(
+                FailureKind.TRANSFER_ERROR,
+                f"the prefill's DONE carried {size} aux bytes; the room's aux slot takes another",
+            )
+            fire.append(lambda: rec.handle.fail(reason))
+            return
+        row = step(wire.DECODE_TABLE, rec, f"recv {kind}")
+        assert row is not None
+        self._emit(session, row, rec.fields)
         handle = rec.handle
+        if kind == "CHUNK":
+            fire.append(lambda: self._progress(handle, frame["nbytes"], last=False))
+        elif kind == "DONE":
+            self._claimed.discard(rec)
+            fire.append(lambda: self._progress(handle, frame["nbytes"], last=True))
+        elif kind == "ABORT":
+            reason = peer_reason(session, frame)
+            fire.append(lambda: handle.fail(reason))
+        elif kind == "ABORT_ACK":
+            self._claimed.discard(rec)
+            self.remote_stats.abort_acks_received += 1
+            fire.append(handle.writes_drained)
+
+    def _copy_aux(self, rec: RecvRecord, frame: wire.Frame) -> bool:
+        """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
+
+        A DONE without a blob means the engine wrote the slot (or the room has none).
+        """
+        blob = frame.blob
+        if blob is None:
+            return True
+        if rec.aux is None:
+            return False
+        assert self.pools is not None
+        regions = self.pools.aux
+        if len(blob) != sum(region.page_nbytes for region in regions):
+            return False
+        offset = 0
+        for region in regions:
+            size = region.page_nbytes
+            ctypes.memmove(region.ptr + rec.aux * size, blob[offset : offset + size], size)
+            offset += size
+        return True
+
+    @staticmethod
+    def _progress(handle: TransferHandle, nbytes: int, *, last: bool) -> None:
         if handle.state is KVPoll.WaitingForInput:
             handle.transfer_started()
         handle.chunk_done(nbytes, last=last)
         if last:
             handle.transfer_done()
-            self._expecting.discard(token)
 
-    def _on_tick(self) -> float | None:
-        """Poll the engine's notifications; ask for quick turns while data is expected.
-
-        Polling is also what makes a progress-thread-less engine (NIXL here)
-        receive: the faster we poll while a transfer is on, the sooner it lands.
-        """
-        now = time.monotonic()
-        notes = self.engine.receiver_notifications()
-        for message in notes:
-            parsed = parse_notification(message)
-            if parsed is None:
-                self.remote_stats.stale_messages += 1
-                logger.warning("kvfsm %s: malformed engine notification %r dropped", self.name, message[:64])
-                continue
-            self._receiver_progress(*parsed)
-        if notes:
-            self._busy_until = now + _BUSY_SPAN
-        return _BUSY_TICK if (self._expecting or now < self._busy_until) else None
-
-    def _on_hello_ack(self, message: ControlMessage) -> None:
-        session = message["session"]
-        problem = session.get("refused") if isinstance(session.get("refused"), str) else None
+    def _on_hello_ack(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+        if session.state is not SessionState.HANDSHAKE:
+            self.remote_stats.stale_messages += 1  # a repeat: the handshake is settled
+            return
+        if not self._verify_mac("HELLO_ACK", frame):
+            self.transport.stats.unauthenticated += 1
+            return
+        problem = frame["refused"] or None
         pools = None
         if problem is None:
             try:
-                pools = pools_from_fields(session.get("pools"))
+                pools = pools_from_fields(frame["session"].get("pools"))
             except (TypeError, ValueError) as exc:
                 problem = f"bad session from the prefill: {exc}"
+        if problem is None and frame["engine"] != self.name:
+            problem = f"the prefill runs engine {frame['engine']!r:.40}, this decode {self.name!r}"
         if problem is None and self.pools is not None and pools is not None:
             problem = self.pools.layout_mismatch(pools)
-        with self._lock:
-            peer = self._peers.get(message.addr)
-            if peer is None or peer.answered or peer.refused is not None:
-                # Unasked for, or a repeat: the handshake of this peer is settled already.
-                self.remote_stats.stale_messages += 1
-                return
-            if problem is None:
-                peer.answered, peer.pools = True, pools
-            else:
-                peer.refused = problem
-            recs = [self._recv_by_token[t] for t in peer.rooms if t in self._recv_by_token]
-        for rec in recs:
-            handle = rec.handle
-            if problem is not None:
-                handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {message.addr}: {problem}"))
-            elif handle.state is KVPoll.Bootstrapping:
-                handle.bootstrapped()
-                self._send_room_pages(rec)
-            elif handle.state is KVPoll.Failed and not rec.peer_aborted:
-                # It failed while the handshake was in flight: tell the prefill now, so its
-                # side of the room does not wait for its bootstrap deadline.
-                self._send_abort(rec.peer, handle.room, rec.token, handle.reason)
-
-    def _on_abort_at_receiver(self, message: ControlMessage) -> None:
-        rec = self._recv_by_token.get(message["token"] or "")
-        if rec is None or rec.handle.room != message["room"]:
-            self.remote_stats.stale_messages += 1
+        if problem is not None:
+            self.remote_stats.sessions_refused += 1
+            session.refused = problem
+            reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {session.addr}: {problem}")
+            for rec in list(session.records.values()):
+                step(wire.DECODE_TABLE, rec, "session_refused")
+                fire.append(functools.partial(rec.handle.fail, reason))
+            self.sessions.close(session)
+            if session.channel is not None:
+                self.transport.close_channel(session.channel)
+                session.channel = None
             return
-        rec.peer_aborted = True
-        rec.handle.fail(peer_reason(message))
+        session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
+        session.pools = pools
+        session.engine_id = frame["session"].get("agent") if isinstance(frame["session"].get("agent"), str) else None
+        self.sessions.confirm(session)
+        # Prove at once that we got the answer: the prefill's session is half-open until then.
+        self._send_frame(session, "HEARTBEAT", {})
+        for rec in list(session.records.values()):
+            row = step(wire.DECODE_TABLE, rec, "session_up")
+            if row is None:
+                continue
+            self._emit(session, row, rec.fields)
+            if rec.wire is _D.READY:
+                fire.append(rec.handle.bootstrapped)
 
-    def _on_abort_ack(self, message: ControlMessage) -> None:
-        rec = self._recv_by_token.get(message["token"] or "")
-        if rec is None:
-            self.remote_stats.stale_messages += 1
-            return
-        self.remote_stats.abort_acks_received += 1
-        rec.handle.writes_drained()
+    def _session_lost_receiver(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
+        if was is SessionState.HANDSHAKE:
+            reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {session.addr} never answered: {why}")
+        else:
+            reason = FailureReason(FailureKind.PEER_LOST, f"peer {session.addr} lost: {why}")
+        for rec in list(session.records.values()):
+            if step(wire.DECODE_TABLE, rec, "session_lost") is None:
+                continue
+            self._claimed.discard(rec)
+            # Its stop (the echo row) reports it drained if nothing of the prefill can land.
+            fire.append(functools.partial(rec.handle.fail, reason))
 
-    def _on_chunk(self, message: ControlMessage) -> None:
-        if self._check_room_token(message):
-            self._receiver_progress(message["token"], message["nbytes"], message["last"])
-
-    def _on_done(self, message: ControlMessage) -> None:
-        if self._check_room_token(message):
-            self._receiver_progress(message["token"], message["nbytes"], True)
-
-    def _check_room_token(self, message: ControlMessage) -> bool:
-        rec = self._recv_by_token.get(message["token"])
-        if rec is None or rec.handle.room != message["room"] or rec.peer != message.addr:
-            self.remote_stats.stale_messages += 1
-            logger.debug(
-                "kvfsm %s: %s for room %r with a stale token dropped", self.name, message.type, message["room"]
-            )
-            return False
-        return True
+    def _poll_engine_receiver(self) -> float | None:
+        if not self.engine.receiver_progress or not self._claimed:
+            return None
+        self.engine.progress()
+        return _BUSY_TICK

@@ -1,274 +1,478 @@
-"""The prefill (sender) half of a remote endpoint: rooms as the decodes describe them.
+"""The prefill (sender) half of a remote endpoint: claims, room ids, and what the decodes say.
 
-A prefill endpoint answers each decode's HELLO, matches the decode's ROOM
-(destination pages, aux slot, token) with its scheduler's `bootstrap()`
-in whichever order they come (keeping an early ROOM or ABORT for
-`pending_ttl`, and the failure of a room closed before its ROOM came, so
-a late ROOM is answered at once), checks each `send()` against the pages
-the decode expects and queues it for the writer thread
-(`_remote_writer`), and turns an ABORT from the decode into a failed room
-whose writes the writer then drains before it sends ABORT_ACK.
+A prefill answers each decode's HELLO with a session (bounded, see
+`_sessions`), and pairs each decode's claim (ROOM: its session, room id,
+generation, pages and aux slot) with its scheduler's `bootstrap()` of that
+room id, in whichever order they come. Two kinds of wire record, each
+moved only through its table in `wire`:
+
+* a `Claim` per (session, room, gen), kept until none of its writes is in
+  flight (rule 13), even after the prefill closed the room;
+* a `Slot` per room id: the open prefill generation, early claims and
+  early aborts waiting for it, or the hold of an id whose generation ended
+  unclaimed (ORPHANED, see `wire` for why).
+
+A claim binds only when exactly one claim and one prefill generation can
+belong together; every ambiguity fails both. The writer thread
+(`_remote_writer`) does the engine work of bound claims; this half only
+queues it and answers ABORTs, with ABORT_ACK only when nothing is in flight.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
-import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from typing import Any
 
 from .._manager import TransferHandle
-from .._states import FailureKind, FailureReason, KVPoll
-from ._remote_wire import PeerRecord, peer_reason, pools_from_fields
-from ._remote_writer import Chunk, SendRoom, WriterThread
-from .control import ControlMessage
+from .._states import FailureKind, FailureReason, KVPoll, Role
+from . import wire
+from ._remote_endpoint import Fire, SeenClaims, peer_reason, pools_from_fields, step
+from ._remote_writer import Chunk, Claim, WriterThread
+from ._sessions import Session, SessionState
 
-__all__ = ["SenderSide"]
+__all__ = ["SenderSide", "Slot"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
-#: Closed-before-claimed rooms a prefill remembers (bounded memory).
-_MAX_TOMBSTONES = 65536
+_C = wire.PrefillClaim
+_R = wire.PrefillRoom
+
+
+class Slot:
+    """One room id on the prefill: its open generation and what waits for it, or its hold."""
+
+    __slots__ = ("aborts", "claim", "early", "handle", "orphaned_at", "reason", "room", "wire")
+
+    def __init__(self, room: Any) -> None:
+        self.room = room
+        self.wire: wire.PrefillRoom | None = None
+        self.handle: TransferHandle | None = None
+        self.claim: Claim | None = None
+        #: Claims that came before bootstrap(): more than one means nobody can tell which is ours.
+        self.early: list[Claim] = []
+        #: (session, gen, reason) of decodes that failed before claiming.
+        self.aborts: list[tuple[Session, int, FailureReason]] = []
+        self.orphaned_at = 0.0
+        self.reason: FailureReason | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.wire is None and not self.early and not self.aborts
 
 
 class SenderSide(WriterThread):
-    """Bootstrap, send, stop and the control messages of a prefill endpoint."""
+    """HELLO, ROOM and ABORT at a prefill, and its scheduler's bootstrap, send, stop and close."""
 
-    _send_by_room: dict[Hashable, SendRoom]
-    _waiting: dict[Hashable, TransferHandle]
-    _pending: dict[Hashable, tuple[float, SendRoom | None, ControlMessage]]
-    _closed_unclaimed: OrderedDict[Hashable, tuple[float, FailureReason | None]]
+    _slots: dict[Any, Slot]
+    # Early claims and early aborts in arrival order: what expires first, what a flood evicts.
+    _pending: OrderedDict[tuple[int, Any], tuple[float, Slot, Any]]
+    _orphans: OrderedDict[Any, Slot]
 
     def _init_sender(self) -> None:
-        self._send_by_room = {}
-        self._waiting = {}
-        self._pending = {}
-        self._closed_unclaimed = OrderedDict()
+        self._seen = {}
+        self._slots = {}
+        self._pending = OrderedDict()
+        self._orphans = OrderedDict()
         self._work = queue.SimpleQueue()
         self._worker = None
+        self._active = {}
 
-    def _forget_sender(self, handle: TransferHandle) -> None:
-        with self._lock:
-            unclaimed = self._waiting.pop(handle.room, None)
-            if unclaimed is handle and handle.state is KVPoll.Failed:
-                # Closed before its decode's pages arrived: answer them with this failure
-                # when they do, rather than leaving the decode waiting for its deadline.
-                self._closed_unclaimed[handle.room] = (time.monotonic(), handle.reason)
-                while len(self._closed_unclaimed) > _MAX_TOMBSTONES:
-                    self._closed_unclaimed.popitem(last=False)
-            send_room = self._send_by_room.get(handle.room)
-            if send_room is not None and send_room.handle is handle:
-                # The worker keeps its own reference until the room's writes ended.
-                del self._send_by_room[handle.room]
+    # -- HELLO --------------------------------------------------------------------------------
 
-    def _sender_rooms_of(self, addr: str) -> list[tuple[TransferHandle, bool]]:
-        """The live rooms with a lost decode (under the lock); its early metadata is dropped."""
-        victims = [(r.handle, True) for r in self._send_by_room.values() if r.peer == addr and r.handle is not None]
-        for room in [room for room, (_, r, m) in self._pending.items() if m.addr == addr]:
-            del self._pending[room]
-        return victims
-
-    def _bootstrap_sender(self, handle: TransferHandle) -> None:
-        now = time.monotonic()
-        attached: SendRoom | None = None
-        aborted: ControlMessage | None = None
-        with self._lock:
-            self._expire_pending(now)
-            pending = self._pending.pop(handle.room, None)
-            if pending is None:
-                self._waiting[handle.room] = handle
-            else:
-                _, send_room, message = pending
-                if send_room is None:
-                    aborted = message
-                else:
-                    send_room.handle = handle
-                    self._send_by_room[handle.room] = send_room
-                    attached = send_room
-        if aborted is not None:
-            handle.fail(peer_reason(aborted))
-        elif attached is not None:
-            handle.bootstrapped()
-
-    def _expire_pending(self, now: float) -> None:
-        ttl = self.config.pending_ttl
-        for room in [room for room, (t, _, _) in self._pending.items() if now - t > ttl]:
-            del self._pending[room]
-
-    def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
-        with self._lock:
-            send_room = self._send_by_room.get(handle.room)
-            if send_room is not None and send_room.handle is not handle:
-                send_room = None
-            if send_room is not None:
-                start = send_room.cursor
-                end = start + len(pages)
-                if end > len(send_room.pages) or (last and end != len(send_room.pages)):
-                    problem = (
-                        f"the decode expects {len(send_room.pages)} pages; this chunk would bring the total to {end}"
-                        + (" and it is the last" if last else "")
-                    )
-                else:
-                    problem = None
-                    send_room.cursor = end
-                    dst = send_room.pages[start:end]
-        if send_room is None:
-            # Not bootstrapped: the table decides (transfer_started out of order fails the room closed).
-            handle.transfer_started()
+    def _on_hello_sender(self, frame: wire.Frame) -> None:
+        if not self._verify_mac("HELLO", frame):
+            self.transport.stats.unauthenticated += 1
             return
-        if problem is not None:
-            self._reject(handle, problem)
-        assert self.pools is not None
-        if handle.state is KVPoll.WaitingForInput:
-            handle.transfer_started()
-        nbytes = len(pages) * self.pools.page_nbytes
-        self._work.put(("chunk", (send_room, Chunk(pages, dst, last, aux_index, nbytes))))
-
-    def _stop_sender(self, handle: TransferHandle) -> None:
-        unclaimed: SendRoom | None = None
-        with self._lock:
-            # A room still waiting for its decode stays in _waiting (until closed), so a
-            # ROOM arriving later is answered with this failure instead of hanging the decode.
-            send_room = self._send_by_room.get(handle.room)
-            if send_room is None or send_room.handle is not handle:
-                send_room = None
-                pending = self._pending.get(handle.room)
-                if pending is not None and pending[1] is not None:
-                    # The decode's metadata arrived but this room failed before bootstrap() claimed it.
-                    unclaimed = pending[1]
-                    del self._pending[handle.room]
-        if send_room is None:
-            handle.writes_drained()
-            if unclaimed is not None:
-                self._send_abort(unclaimed.peer, handle.room, unclaimed.token, handle.reason)
-                self._send_ack(unclaimed)
-            return
-        if not send_room.peer_aborted:
-            # A failure marked from_peer may come from elsewhere (another rank): the decode still needs telling.
-            self._send_abort(send_room.peer, handle.room, send_room.token, handle.reason)
-        self._work.put(("stop", send_room))
-
-    def _on_hello(self, message: ControlMessage) -> None:
         problem = None
-        try:
-            pools = pools_from_fields(message["session"].get("pools"))
-        except (TypeError, ValueError) as exc:
-            pools, problem = None, f"bad session: {exc}"
-        if problem is None and message["engine"] != self.name:
-            problem = f"engine {message['engine']!r} cannot talk to this {self.name!r} endpoint"
+        pools = None
+        if frame["role"] != Role.RECEIVER.value:
+            problem = f"a HELLO comes from a decode (receiver); this one says it is {frame['role']!r:.40}"
+        elif frame["engine"] != self.name:
+            problem = f"engine {frame['engine']!r:.40} cannot talk to this {self.name!r} endpoint"
+        else:
+            try:
+                pools = pools_from_fields(frame["session"].get("pools"))
+            except (TypeError, ValueError) as exc:
+                problem = f"bad session: {exc}"
         if problem is None and self.pools is not None and pools is not None:
             problem = self.pools.layout_mismatch(pools)
         target = None
         if problem is None:
             try:
-                target = self.engine.add_peer(message["session"], message.blob)
+                target = self.engine.add_peer(frame["session"], frame.blob)
             except Exception as exc:
                 problem = f"{self.name} could not open the peer's session: {exc}"
+        fire: Fire = []
         with self._lock:
-            old = self._peers.get(message.addr)
-            if old is not None and old.target is not None:
-                self.engine.remove_peer(old.target)
-            peer = self._peers[message.addr] = PeerRecord(message.addr)
-            peer.pools, peer.target, peer.answered = pools, target, problem is None
-        if problem is not None:
-            logger.warning("kvfsm %s: HELLO from %s refused: %s", self.name, message.addr, problem)
-        self.control.watch(message.addr)
-        fields, blob = self._session()
-        if problem is not None:
-            fields = {**fields, "refused": problem}
-        self.control.send(
-            message.addr, "HELLO_ACK", {"role": self.role.value, "engine": self.name, "session": fields}, blob
-        )
+            try:
+                session, evicted = self.sessions.open(frame["addr"], SessionState.HALF_OPEN)
+            except OverflowError as exc:
+                logger.warning("kvfsm %s: HELLO from %s dropped: %s", self.name, frame["addr"], exc)
+                self.transport.stats.sessions_evicted += 1
+                if target is not None:
+                    fire.append(lambda: self.engine.remove_peer(target))
+                session = None
+                evicted = []
+            for old in evicted:
+                self.transport.stats.sessions_evicted += 1
+                self._lose(old, "evicted: too many unconfirmed sessions", fire)
+            if session is not None:
+                session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
+                session.pools, session.target, session.refused = pools, target, problem
+                session.records = {}
+                self._seen[session.sid] = SeenClaims()
+                session.channel = self.transport.connect(frame["addr"])
+                fields, blob = self._session_fields()
+                ack: dict[str, Any] = {
+                    "reply_sid": session.sid,
+                    "reply_key": session.key,
+                    "role": self.role.value,
+                    "engine": self.name,
+                    "session": fields,
+                    "refused": problem or "",
+                }
+                ack["mac"] = self._mac("HELLO_ACK", {**session.auth, **ack}, blob)
+                self._send_frame(session, "HELLO_ACK", ack, blob)
+                if problem is not None:
+                    self.remote_stats.sessions_refused += 1
+                    logger.warning("kvfsm %s: HELLO from %s refused: %s", self.name, frame["addr"], problem)
+        for event in fire:
+            event()
 
-    def _on_room(self, message: ControlMessage) -> None:
-        room, token, pages, aux = message["room"], message["token"], message["pages"], message["aux"]
+    # -- the scheduler's calls ------------------------------------------------------------------
+
+    def _bootstrap_sender(self, handle: TransferHandle) -> None:
+        fire: Fire = []
         with self._lock:
-            peer = self._peers.get(message.addr)
-            problem = None
-            if peer is None or not peer.answered or peer.pools is None:
-                problem = "ROOM from a decode that did not complete the handshake"
-            elif any(p >= peer.pools.num_pages for p in pages):
-                problem = f"destination page out of range (the decode pool has {peer.pools.num_pages} pages)"
-            elif aux is not None and aux >= peer.pools.num_aux_slots:
-                problem = f"aux slot {aux} out of range (the decode has {peer.pools.num_aux_slots})"
-            existing = self._send_by_room.get(room)
-            if (
-                problem is None
-                and existing is not None
-                and existing.handle is not None
-                and not existing.handle.is_terminal
-            ):
-                problem = f"room {room!r} is already in use by another transfer on this prefill"
-                self.remote_stats.duplicate_rooms += 1
-            if problem is None and room in self._pending and self._pending[room][1] is not None:
-                problem = f"room {room!r} already has pending metadata from a decode"
-                self.remote_stats.duplicate_rooms += 1
-            handle = None
-            failed_first: FailureReason | None = None
-            if problem is None:
-                send_room = SendRoom(room, None, token, message.addr, list(pages), aux)
-                handle = self._waiting.pop(room, None)
-                tombstone = self._closed_unclaimed.pop(room, None) if handle is None else None
-                if handle is not None and handle.is_terminal:
-                    failed_first = handle.reason
-                    handle = None
-                elif tombstone is not None and time.monotonic() - tombstone[0] <= self.config.pending_ttl:
-                    failed_first = tombstone[1] or FailureReason(
-                        FailureKind.ABORTED, "closed before the decode's pages arrived"
+            self._expire_sender(self._clock_now(), fire)
+            slot = self._slots.get(handle.room)
+            if slot is None:
+                slot = self._slots[handle.room] = Slot(handle.room)
+            slot.handle = handle
+            reason = self._refusal(slot)
+            if reason is not None:
+                step(wire.ROOM_TABLE, slot, "bootstrap: refuse")
+                self._orphans.pop(slot.room, None)
+                slot.reason = reason
+                for claim in self._take_early(slot):
+                    self._refuse_claim(claim, "refuse", reason)
+                slot.aborts.clear()
+                fire.append(lambda: handle.fail(reason))
+            elif slot.early:
+                claim = self._take_early(slot)[0]
+                step(wire.ROOM_TABLE, slot, "bootstrap: bind")
+                self._bind(slot, claim, "bind")
+                fire.append(handle.bootstrapped)
+            else:
+                step(wire.ROOM_TABLE, slot, "bootstrap")
+        for event in fire:
+            event()
+
+    def _refusal(self, slot: Slot) -> FailureReason | None:
+        """Why a new generation of `slot`'s room id cannot be paired with any claim, or None."""
+        if slot.wire is _R.ORPHANED:
+            self.remote_stats.held_room_refusals += 1
+            return FailureReason(
+                FailureKind.BOOTSTRAP_ERROR,
+                f"room id {slot.room!r} was reused within pending_ttl ({self.config.pending_ttl:g}s) of a generation "
+                "that ended before its decode claimed it: a claim for it cannot be told from one for this generation",
+            )
+        if slot.aborts:
+            _session, _gen, reason = slot.aborts[0]
+            return reason
+        if len(slot.early) > 1:
+            self.remote_stats.ambiguous_claims += 1
+            return FailureReason(
+                FailureKind.BOOTSTRAP_ERROR,
+                f"{len(slot.early)} decodes claimed room id {slot.room!r} before it was bootstrapped: "
+                "which one is this generation's cannot be told",
+            )
+        return None
+
+    def _take_early(self, slot: Slot) -> list[Claim]:
+        claims, slot.early = slot.early, []
+        for claim in claims:
+            self._pending.pop((id(claim.session), (claim.room, claim.gen)), None)
+        return claims
+
+    def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
+        problem = None
+        chunk: Chunk | None = None
+        with self._lock:
+            slot = self._slots.get(handle.room)
+            claim = slot.claim if slot is not None and slot.handle is handle else None
+            if claim is not None and not claim.stopped:
+                start, end = claim.cursor, claim.cursor + len(pages)
+                if end > len(claim.pages) or (last and end != len(claim.pages)):
+                    problem = (
+                        f"the decode expects {len(claim.pages)} pages; this chunk would bring the total to {end}"
+                        + (" and it is the last" if last else "")
                     )
-                elif handle is None:
-                    self._expire_pending(time.monotonic())
-                    self._pending[room] = (time.monotonic(), send_room, message)
-                else:
-                    send_room.handle = handle
-                    self._send_by_room[room] = send_room
+                elif step(wire.CLAIM_TABLE, claim, "send") is not None:
+                    claim.cursor = end
+                    assert self.pools is not None
+                    nbytes = len(pages) * self.pools.page_nbytes
+                    chunk = Chunk(pages, claim.pages[start:end], last, aux_index, nbytes)
+        if problem is not None:
+            self._reject(handle, problem)
+        if claim is None:
+            # Not bootstrapped: the table decides (transfer_started out of order fails the room closed).
+            handle.transfer_started()
+            return
+        if chunk is not None:
+            # Transferring before the writer sees the chunk: it completes only a Transferring room.
+            if handle.state is KVPoll.WaitingForInput:
+                handle.transfer_started()
+            self._work.put(("chunk", (claim, chunk)))
+
+    def _stop_sender(self, handle: TransferHandle) -> None:
+        drained = True
+        with self._lock:
+            slot = self._slots.get(handle.room)
+            if slot is not None and slot.handle is handle:
+                if slot.wire is _R.UNCLAIMED:
+                    step(wire.ROOM_TABLE, slot, "fail")
+                    slot.reason = handle.reason
+                elif slot.wire is _R.CLAIMED and slot.claim is not None:
+                    drained = self._fail_claim(slot.claim, "fail", handle.reason)
+        if drained:
+            handle.writes_drained()
+
+    def _fail_claim(self, claim: Claim, input: str, reason: FailureReason | None) -> bool:
+        """Step a bound claim whose room failed; True when nothing of it is in flight (lock held)."""
+        row = step(wire.CLAIM_TABLE, claim, input)
+        if row is not None:
+            self._emit(claim.session, row, lambda kind: claim.fields(kind, reason))
+        if claim.wire is _C.STOPPING:
+            if not claim.stopped:
+                claim.stopped = True
+                self._work.put(("stop", claim))
+            return False
+        return claim.wire is not _C.WRITING
+
+    def _forget_sender(self, handle: TransferHandle) -> None:
+        with self._lock:
+            slot = self._slots.get(handle.room)
+            if slot is None or slot.handle is not handle:
+                return
+            claim = slot.claim
+            step(wire.ROOM_TABLE, slot, "close")
+            slot.handle = None
+            if slot.wire is _R.ORPHANED:
+                slot.orphaned_at = self._clock_now()
+                self._orphans.pop(slot.room, None)
+                self._orphans[slot.room] = slot
+            else:
+                slot.claim = None
+                if slot.empty:
+                    del self._slots[handle.room]
+            if claim is not None:
+                claim.room_closed = True
+                self._drop_if_done(claim)
+
+    def _drop_if_done(self, claim: Claim) -> None:
+        """Forget a claim once its room closed and nothing of it is in flight (lock held)."""
+        if claim.room_closed and step(wire.CLAIM_TABLE, claim, "forget") is not None:
+            claim.session.records.pop((claim.room, claim.gen), None)
+            seen = self._seen.get(claim.session.sid)
+            if seen is not None:
+                seen.add((claim.room, claim.gen))
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def _on_frame_sender(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+        if frame.type == "ROOM":
+            self._on_room(session, frame, fire)
+        elif frame.type == "ABORT":
+            self._on_abort(session, frame, fire)
+        else:
+            self.remote_stats.stale_messages += 1
+
+    def _on_room(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+        room, gen, pages, aux = frame["room"], frame["gen"], frame["pages"], frame["aux"]
+        key = (room, gen)
+        seen = self._seen.get(session.sid)
+        if key in session.records or (seen is not None and key in seen):
+            self.remote_stats.stale_messages += 1  # a duplicate or a replay of a finished claim
+            return
+        claim = Claim(session, room, gen, list(pages), aux)
+        session.records[key] = claim
+        slot = self._slots.get(room)
+        assert session.pools is not None
+        problem: FailureReason | None = None
+        if any(p >= session.pools.num_pages for p in pages):
+            problem = self._bootstrap_error(
+                f"a destination page is out of range (the decode has {session.pools.num_pages})"
+            )
+        elif len(set(pages)) != len(pages):
+            problem = self._bootstrap_error("the destination pages repeat a page")
+        elif aux is not None and aux >= session.pools.num_aux_slots:
+            problem = self._bootstrap_error(
+                f"aux slot {aux} is out of range (the decode has {session.pools.num_aux_slots})"
+            )
+        elif slot is not None and slot.wire is _R.ORPHANED:
+            self.remote_stats.held_room_refusals += 1
+            problem = slot.reason or FailureReason(FailureKind.ABORTED, "the prefill closed this room before the claim")
+        elif slot is not None and slot.wire is _R.FAILED:
+            problem = slot.reason or FailureReason(FailureKind.ABORTED, "the prefill's room failed before the claim")
+        elif slot is not None and slot.wire is _R.CLAIMED:
+            self.remote_stats.duplicate_rooms += 1
+            problem = self._bootstrap_error(f"room {room!r} is in use by another transfer on this prefill")
         if problem is not None:
             self.remote_stats.rejected_rooms += 1
-            logger.warning("kvfsm %s: ROOM %r from %s refused: %s", self.name, room, message.addr, problem)
-            self.control.send(
-                message.addr,
-                "ABORT",
-                {"room": room, "token": token, "kind": FailureKind.BOOTSTRAP_ERROR.value, "message": problem},
+            self._refuse_claim(claim, "recv ROOM: refuse", problem)
+            return
+        if slot is not None and slot.wire is _R.UNCLAIMED:
+            handle = slot.handle
+            assert handle is not None
+            step(wire.ROOM_TABLE, slot, "claim")
+            self._bind(slot, claim, "recv ROOM: bind")
+            fire.append(handle.bootstrapped)
+            return
+        if not self._admit_pending(session, key):
+            self._refuse_claim(
+                claim, "recv ROOM: refuse", self._bootstrap_error("too many claims wait for this prefill")
             )
-            self.control.send(message.addr, "ABORT_ACK", {"room": room, "token": token})
             return
-        if failed_first is not None:
-            # This prefill gave up on the room before the decode's pages arrived.
-            self._send_abort(message.addr, room, token, failed_first)
-            self.remote_stats.abort_acks_sent += 1
-            self.control.send(message.addr, "ABORT_ACK", {"room": room, "token": token})
-            return
-        if handle is not None:
-            handle.bootstrapped()
+        step(wire.CLAIM_TABLE, claim, "recv ROOM: hold")
+        if slot is None:
+            slot = self._slots[room] = Slot(room)
+        slot.early.append(claim)
+        self._pending[(id(session), key)] = (self._clock_now(), slot, claim)
 
-    def _on_abort_at_sender(self, message: ControlMessage) -> None:
-        room, token = message["room"], message["token"]
-        with self._lock:
-            send_room = self._send_by_room.get(room)
-            if send_room is not None and send_room.token != token:
-                # The room id is live here for another transfer: this ABORT does not name it.
-                self.remote_stats.stale_messages += 1
-                logger.warning(
-                    "kvfsm %s: ABORT for room %r with a stale token from %s dropped", self.name, room, message.addr
-                )
+    def _bootstrap_error(self, text: str) -> FailureReason:
+        return FailureReason(FailureKind.BOOTSTRAP_ERROR, text)
+
+    def _bind(self, slot: Slot, claim: Claim, input: str) -> None:
+        assert slot.handle is not None
+        step(wire.CLAIM_TABLE, claim, input)
+        claim.handle = slot.handle
+        claim.pgen = slot.handle.generation
+        slot.claim = claim
+
+    def _refuse_claim(self, claim: Claim, input: str, reason: FailureReason) -> None:
+        """Refuse a claim: ABORT and ABORT_ACK (nothing was written for it), and forget it (lock held)."""
+        row = step(wire.CLAIM_TABLE, claim, input)
+        if row is not None:
+            self._emit(claim.session, row, lambda kind: claim.fields(kind, reason))
+        logger.info("kvfsm %s: claim of room %r from %s refused: %s", self.name, claim.room, claim.session.addr, reason)
+        claim.room_closed = True
+        self._drop_if_done(claim)
+
+    def _admit_pending(self, session: Session, key: tuple[Any, int]) -> bool:
+        """Room for one more early claim or abort of `session` (lock held); the oldest goes if needed."""
+        mine = sum(1 for (owner, _key) in self._pending if owner == id(session))
+        if mine >= self.config.max_pending_per_session:
+            return False
+        while len(self._pending) >= self.config.max_pending:
+            (_owner, _key), (_t, slot, item) = self._pending.popitem(last=False)
+            self.remote_stats.pending_dropped += 1
+            self._drop_pending(slot, item)
+        return True
+
+    def _drop_pending(self, slot: Slot, item: Any) -> None:
+        if isinstance(item, Claim):
+            if item in slot.early:
+                slot.early.remove(item)
+            self._refuse_claim(item, "expire", self._bootstrap_error("not bootstrapped here within pending_ttl"))
+        elif item in slot.aborts:
+            slot.aborts.remove(item)
+        if slot.empty:
+            self._slots.pop(slot.room, None)
+
+    def _on_abort(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+        room, gen = frame["room"], frame["gen"]
+        key = (room, gen)
+        claim = session.records.get(key)
+        reason = peer_reason(session, frame)
+        if claim is None:
+            seen = self._seen.get(session.sid)
+            if seen is not None and key in seen:
+                # Its record was dropped only once nothing of it was in flight: provably quiet.
+                self.remote_stats.abort_acks_sent += 1
+                self._send_frame(session, "ABORT_ACK", {"room": room, "gen": gen, "pgen": None})
                 return
-            waiting = self._waiting.pop(room, None) if send_room is None else None
-            if send_room is None and waiting is None:
-                # Not claimed here yet (or only its metadata is): remember the abort, so a
-                # later bootstrap() of this room fails at once.
-                self._pending[room] = (time.monotonic(), None, message)
-        if send_room is not None:
-            handle = send_room.handle
-            if handle is not None and not handle.is_terminal:
-                send_room.peer_aborted = True
-                handle.fail(peer_reason(message))  # -> _stop_sender -> worker drains -> ABORT_ACK
-            else:
-                # Terminal or closed: ACK once whatever it issued has ended.
-                self._work.put(("stop", send_room))
+            # The decode failed before it claimed: nothing of it was ever written here.
+            slot = self._slots.get(room)
+            if slot is not None and slot.wire is _R.UNCLAIMED and slot.handle is not None:
+                step(wire.ROOM_TABLE, slot, "fail")
+                slot.reason = reason
+                handle = slot.handle
+                fire.append(lambda: handle.fail(reason))
+            elif slot is None or slot.wire is None:
+                if not self._admit_pending(session, key):
+                    self.remote_stats.pending_dropped += 1
+                    return
+                if slot is None:
+                    slot = self._slots[room] = Slot(room)
+                item = (session, gen, reason)
+                slot.aborts.append(item)
+                self._pending[(id(session), key)] = (self._clock_now(), slot, item)
             return
-        if waiting is not None:
-            waiting.fail(peer_reason(message))
-        # Nothing was written for it: the decode may release at once.
-        self.remote_stats.abort_acks_sent += 1
-        self.control.send(message.addr, "ABORT_ACK", {"room": room, "token": token})
+        if frame["pgen"] is not None and claim.pgen is not None and frame["pgen"] != claim.pgen:
+            self.remote_stats.wrong_generation += 1
+            return
+        before = claim.wire
+        row = wire.CLAIM_TABLE.row(claim.wire, "recv ABORT")
+        if row is None:
+            self.remote_stats.stale_messages += 1
+            return
+        if before is _C.EARLY:
+            slot = self._slots.get(room)
+            self._pending.pop((id(session), key), None)
+            if slot is not None and claim in slot.early:
+                slot.early.remove(claim)
+                item = (session, gen, reason)
+                slot.aborts.append(item)
+                self._pending[(id(session), key)] = (self._clock_now(), slot, item)
+        drained = self._fail_claim(claim, "recv ABORT", None)
+        handle = claim.handle
+        if handle is not None and before in (_C.BOUND, _C.WRITING):
+            fire.append(lambda: handle.fail(reason))
+        if drained:
+            self._drop_if_done(claim)
+        if before is _C.EARLY:
+            claim.room_closed = True
+            self._drop_if_done(claim)
+
+    # -- lost sessions and expiries -----------------------------------------------------------------
+
+    def _session_lost_sender(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
+        reason = FailureReason(FailureKind.PEER_LOST, f"decode {session.addr} lost: {why}")
+        for claim in list(session.records.values()):
+            before = claim.wire
+            if before is _C.EARLY:
+                slot = self._slots.get(claim.room)
+                self._pending.pop((id(session), (claim.room, claim.gen)), None)
+                if slot is not None and claim in slot.early:
+                    slot.early.remove(claim)
+                    if slot.empty:
+                        del self._slots[claim.room]
+            self._fail_claim(claim, "session_lost", None)
+            handle = claim.handle
+            if handle is not None and before in (_C.BOUND, _C.WRITING):
+                fire.append(functools.partial(handle.fail, reason))
+            if claim.wire is _C.ACKED:
+                session.records.pop((claim.room, claim.gen), None)
+        self._seen.pop(session.sid, None)
+
+    def _expire_sender(self, now: float, fire: Fire) -> None:
+        ttl = self.config.pending_ttl
+        while self._pending:
+            _key, (since, slot, item) = next(iter(self._pending.items()))
+            if now - since <= ttl:
+                break
+            self._pending.popitem(last=False)
+            self._drop_pending(slot, item)
+        while self._orphans:
+            room, slot = next(iter(self._orphans.items()))
+            if now - slot.orphaned_at <= ttl:
+                break
+            del self._orphans[room]
+            if slot.wire is _R.ORPHANED and step(wire.ROOM_TABLE, slot, "expire") is not None:
+                slot.reason = None
+                if slot.empty and self._slots.get(room) is slot:
+                    del self._slots[room]

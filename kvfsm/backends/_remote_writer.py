@@ -1,35 +1,51 @@
-"""The prefill's writer thread: engine writes of each room's chunks, polled until they end.
+"""The prefill's writer: engine writes of each claim's chunks, polled until they end.
 
-`send()` and the stop of a failed room only queue a command; one thread
-per prefill endpoint turns chunks into engine writes over coalesced page
-runs, polls them, reports `chunk_done`/`transfer_done`, writes the last
-chunk's commit marker (the aux slot) only after every KV write landed,
-and tells the decode (CHUNK/DONE, unless the engine's notification rides
-on a write). A stopped room issues nothing more; once none of its writes
-is in flight (cancelled where the engine can) it reports `writes_drained`
-and sends ABORT_ACK, so the decode may reuse its pages. Living apart from
-the control messages (`_remote_sender`), it is the only code that talks to
-the engine's jobs.
+`send()` and the stop of a failed claim only queue a command; one thread
+per prefill endpoint (`remote.py`) calls `pump()` in a loop, and the
+model-based test calls it directly. A pump turn takes up queued commands,
+polls each active claim's engine jobs and issues what comes next. The
+writer is the only code that touches engine jobs, so whether a claim still
+has a write in flight is known in one place, and a claim stays active (and
+its record alive) until the engine ended every write it issued, whether or
+not the prefill closed the room meanwhile (rule 13).
+
+Rule 14, in the order the code keeps it:
+
+* a failed write marks its claim stopped at once, in this thread, before
+  anything else of that claim is issued; the room's failure follows;
+* before every submit the writer checks the claim is not stopped and the
+  room not terminal;
+* the last chunk completes only after every KV write landed (and the aux
+  slot, when the engine writes it): the writer reads the aux bytes, then
+  fires `transfer_done`, and only if that applied, so no failure won the
+  race, does the claim step to DONE and send DONE (with the aux bytes).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._manager import TransferHandle
-from .._states import FailureKind, FailureReason
-from ._remote_engine import DoneJob, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
-from ._remote_wire import PeerRecord, RemoteEndpoint, notification
+from .._states import FailureKind, FailureReason, KVPoll
+from . import wire
+from ._remote_endpoint import RemoteEndpoint, SeenClaims, step
+from ._remote_engine import EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
 
-__all__ = ["Chunk", "SendRoom", "WriterThread"]
+if TYPE_CHECKING:
+    from ._sessions import Session
+
+__all__ = ["Chunk", "Claim", "WriterThread"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
+
+_C = wire.PrefillClaim
 
 
 class Chunk:
@@ -41,55 +57,77 @@ class Chunk:
         self.src, self.dst, self.last, self.aux_src, self.nbytes = src, dst, last, aux_src, nbytes
         self.jobs: list[EngineJob] = []
         self.submitted = False
-        # The last chunk's commit marker (an aux write) goes out after every KV write landed.
+        # The last chunk's aux slot, when the engine must write it (device memory), goes after every KV write.
         self.tail: EngineJob | None = None
 
 
-class SendRoom:
-    """One prefill room as the decode described it (token, pages, aux) and what the writer did for it."""
+class Claim:
+    """One decode's claim on a prefill room, and what the writer did for it."""
 
     __slots__ = (
         "aux",
         "chunks",
         "cursor",
-        "failed_sent",
+        "gen",
         "handle",
-        "jobs_inflight",
+        "jobs",
         "pages",
-        "peer",
-        "peer_aborted",
+        "pgen",
         "room",
+        "room_closed",
+        "session",
         "stopped",
         "timeouts_seen",
-        "token",
         "undrained",
+        "wire",
     )
 
-    def __init__(
-        self, room: Hashable, handle: TransferHandle | None, token: str, peer: str, pages: list[int], aux: int | None
-    ) -> None:
+    def __init__(self, session: Session, room: Any, gen: int, pages: list[int], aux: int | None) -> None:
+        self.session = session
         self.room = room
-        self.handle = handle
-        self.token = token
-        self.peer = peer
+        self.gen = gen
         self.pages = pages
         self.aux = aux
+        self.handle: TransferHandle | None = None
+        self.pgen: int | None = None
+        self.wire: wire.PrefillClaim | None = None
         self.cursor = 0
         self.chunks: deque[Chunk] = deque()
-        self.jobs_inflight: list[EngineJob] = []
+        self.jobs: list[EngineJob] = []
+        # Set (once) when the claim must issue nothing more; read by the writer before every submit.
         self.stopped = False
-        self.failed_sent = False
+        self.room_closed = False
         self.timeouts_seen = 0
+        # A failed write that does not prove its bytes stopped: never report this claim drained.
         self.undrained = False
-        # Set when the decode's ABORT failed this room: it knows, so no ABORT goes back.
-        self.peer_aborted = False
+
+    def fields(self, kind: str, reason: FailureReason | None = None) -> dict[str, Any]:
+        base: dict[str, Any] = {"room": self.room, "gen": self.gen, "pgen": self.pgen}
+        if kind == "ABORT":
+            if reason is None and self.handle is not None:
+                reason = self.handle.reason
+            return {
+                **base,
+                "kind": reason.kind.value if reason is not None else FailureKind.ABORTED.value,
+                "message": reason.message if reason is not None else "aborted",
+            }
+        return base
+
+    def notice(self, kind: str, *, nbytes: int, blob: bytes | None = None) -> dict[str, Any]:
+        """The fields of a CHUNK or DONE (`_blob` rides along to `_emit`)."""
+        return {**self.fields(kind), "nbytes": nbytes, "_blob": blob}
+
+    def __repr__(self) -> str:
+        return f"<Claim room={self.room!r} gen={self.gen} {self.wire} jobs={len(self.jobs)}>"
 
 
 class WriterThread(RemoteEndpoint):
-    """The writer thread of a prefill endpoint and the engine calls it makes."""
+    """The writer of a prefill endpoint and the engine calls it makes."""
 
     _work: queue.SimpleQueue[tuple[str, Any]]
     _worker: threading.Thread | None
+    _active: dict[int, Claim]
+    _seen: dict[str, SeenClaims]
 
     def _start_writer(self) -> None:
         self._worker = threading.Thread(target=self._work_loop, name=f"kvfsm-{self.name}-writer", daemon=True)
@@ -99,70 +137,73 @@ class WriterThread(RemoteEndpoint):
         if self._worker is not None:
             self._work.put(("exit", None))
             self._worker.join(5.0)
-
-    def _send_ack(self, send_room: SendRoom) -> None:
-        if send_room.peer not in self._peers:
-            return
-        self.remote_stats.abort_acks_sent += 1
-        self.control.send(send_room.peer, "ABORT_ACK", {"room": send_room.room, "token": send_room.token})
+            self._worker = None
 
     def _work_loop(self) -> None:
-        active: dict[str, SendRoom] = {}
         while True:
             try:
-                block = not active
-                while True:
-                    try:
-                        command, payload = self._work.get(block=block, timeout=0.5 if block else None)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if command == "exit":
-                        self._abandon(active)
-                        return
-                    self._command(command, payload, active)
-                moved = False
-                for token, send_room in list(active.items()):
-                    moved |= self._progress(send_room)
-                    if not send_room.chunks and not send_room.jobs_inflight:
-                        del active[token]
-                if active and not moved:
+                # Nothing to poll: sleep until a command comes (it is taken up first, in order).
+                first = None if self._active else self._work.get()
+                moved = self.pump(first)
+                if moved is None:
+                    return
+                if self._active and not moved:
                     time.sleep(self.config.poll_interval)
             except Exception:
                 logger.exception("kvfsm %s writer thread: unexpected error; it goes on", self.name)
                 time.sleep(0.01)
 
-    def _command(self, command: str, payload: Any, active: dict[str, SendRoom]) -> None:
+    def pump(self, first: tuple[str, Any] | None = None) -> bool | None:
+        """One turn: take up queued commands, advance every active claim.
+
+        Returns whether anything moved, or None once told to exit.
+        """
+        moved = False
+        while True:
+            if first is not None:
+                command, payload = first
+                first = None
+            else:
+                try:
+                    command, payload = self._work.get_nowait()
+                except queue.Empty:
+                    break
+            if command == "exit":
+                for claim in self._active.values():
+                    for job in claim.jobs:
+                        job.cancel()
+                return None
+            moved = True
+            self._command(command, payload)
+        for key, claim in list(self._active.items()):
+            moved |= self._advance(claim)
+            if not claim.chunks and not claim.jobs and (claim.stopped or claim.wire is not _C.WRITING):
+                del self._active[key]
+        return moved
+
+    def _command(self, command: str, payload: Any) -> None:
         if command == "chunk":
-            send_room, chunk = payload
-            if send_room.stopped:
-                return
-            send_room.chunks.append(chunk)
-            active[send_room.token] = send_room
+            claim, chunk = payload
+            if not claim.stopped:
+                claim.chunks.append(chunk)
+                self._active[id(claim)] = claim
         elif command == "stop":
-            send_room = payload
-            if not send_room.stopped:
-                send_room.stopped = True
-                send_room.chunks.clear()
-                still = []
-                for job in send_room.jobs_inflight:
-                    if job.cancel():
-                        job.release()
-                    else:
-                        still.append(job)
-                send_room.jobs_inflight = still
-            active[send_room.token] = send_room
+            claim = payload
+            claim.chunks.clear()
+            still = []
+            for job in claim.jobs:
+                if job.cancel():
+                    job.release()
+                else:
+                    still.append(job)
+            claim.jobs = still
+            self._active[id(claim)] = claim
 
-    def _abandon(self, active: dict[str, SendRoom]) -> None:
-        for send_room in active.values():
-            for job in send_room.jobs_inflight:
-                job.cancel()
-
-    def _poll_jobs(self, send_room: SendRoom, jobs: list[EngineJob]) -> tuple[list[EngineJob], str | None]:
-        """Poll `jobs`; return those still running and the first failure detail (if any)."""
+    def _poll_jobs(self, claim: Claim) -> str | None:
+        """Poll the claim's jobs, keep those still running; the first failure's detail, if any."""
         running: list[EngineJob] = []
         failure: str | None = None
-        for job in jobs:
+        for job in claim.jobs:
             status = job.poll()
             if status == "pending":
                 running.append(job)
@@ -170,148 +211,158 @@ class WriterThread(RemoteEndpoint):
                 # Mooncake's TIMEOUT is derived at read time and not sticky: the write
                 # goes on and may still complete. Count it; keep the job in flight so
                 # drain stays truthful; the lifecycle's transferring deadline decides.
-                send_room.timeouts_seen += 1
+                claim.timeouts_seen += 1
                 self.remote_stats.engine_timeouts += 1
                 if self._timeout_fails():
                     failure = failure or f"{self.name} reported TIMEOUT for a write ({job.detail})"
                 running.append(job)
             elif status == "failed":
                 self.remote_stats.engine_failures += 1
-                send_room.undrained |= job.may_still_land
+                claim.undrained |= job.may_still_land
                 job.release()
                 failure = failure or f"{self.name} write failed ({job.detail})"
             else:
                 job.release()
-        return running, failure
+        claim.jobs = running
+        return failure
 
-    def _progress(self, send_room: SendRoom) -> bool:
-        handle = send_room.handle
-        before = len(send_room.jobs_inflight)
-        send_room.jobs_inflight, failure = self._poll_jobs(send_room, send_room.jobs_inflight)
-        moved = len(send_room.jobs_inflight) != before
-        if send_room.stopped:
-            if not send_room.jobs_inflight:
-                send_room.chunks.clear()
-                if send_room.undrained:
-                    logger.warning(
-                        "kvfsm %s room %r: a failed write may still land; no ABORT_ACK, the drain deadline decides",
-                        self.name,
-                        send_room.room,
-                    )
-                    return True
-                if handle is not None:
-                    handle.writes_drained()
-                self._send_ack(send_room)
+    def _advance(self, claim: Claim) -> bool:
+        before = len(claim.jobs)
+        failure = self._poll_jobs(claim)
+        moved = len(claim.jobs) != before
+        if failure is not None and not claim.stopped:
+            self._write_failed(claim, failure)
+            return True
+        if claim.stopped:
+            if not claim.jobs:
+                self._drained(claim)
                 return True
             return moved
-        if failure is not None and handle is not None:
-            if not send_room.failed_sent:
-                # Once: the stop command this triggers may reach the queue a turn later.
-                send_room.failed_sent = True
-                handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, failure))
-            return True
-        peer = self._peers.get(send_room.peer)
-        if peer is None or peer.pools is None or handle is None:
+        handle = claim.handle
+        if handle is None:
             return moved
-        assert self.pools is not None
-        for chunk in send_room.chunks:
-            if not chunk.submitted:
-                chunk.submitted = True
-                writes = page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst))
-                # A middle chunk's engine notification is its progress notice; the last
-                # chunk's rides on its commit marker (_start_tail).
-                note = None
-                if not chunk.last and self._notice_rides_on_write(send_room, chunk):
-                    note = notification(send_room.token, chunk.nbytes, last=False)
-                job = self._issue(send_room, peer, writes, note)
+        peer = claim.session
+        assert self.pools is not None and peer.pools is not None
+        for chunk in claim.chunks:
+            if chunk.submitted:
+                continue
+            if claim.stopped or handle.is_terminal:
+                return moved
+            chunk.submitted = True
+            writes = page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst))
+            if writes:
+                job = self._submit(claim, writes)
                 if job is None:
                     return True
                 chunk.jobs.append(job)
-                moved = True
-        while send_room.chunks:
-            chunk = send_room.chunks[0]
-            chunk.jobs = [j for j in chunk.jobs if j in send_room.jobs_inflight]
+            moved = True
+        while claim.chunks:
+            chunk = claim.chunks[0]
+            chunk.jobs = [job for job in chunk.jobs if job in claim.jobs]
             if chunk.jobs:
                 break
             if not chunk.last:
-                send_room.chunks.popleft()
+                claim.chunks.popleft()
                 handle.chunk_done(chunk.nbytes)
-                if not self._notice_rides_on_write(send_room, chunk):
-                    self._notice(send_room, "CHUNK", {"nbytes": chunk.nbytes, "last": False})
+                with self._lock:
+                    row = step(wire.CLAIM_TABLE, claim, "progress")
+                    if row is not None:
+                        self._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes))
                 moved = True
                 continue
-            if chunk.tail is None and not self._start_tail(peer, send_room, chunk):
+            if not self._finish(claim, chunk):
                 return True
-            if chunk.tail is not None and chunk.tail in send_room.jobs_inflight:
-                break
-            send_room.chunks.popleft()
-            handle.chunk_done(chunk.nbytes, last=True)
-            handle.transfer_done()
-            if not self._notice_rides_on_write(send_room, chunk):
-                self._notice(send_room, "DONE", {"nbytes": chunk.nbytes})
+            claim.chunks.popleft()
             moved = True
         return moved
 
-    def _notice_rides_on_write(self, send_room: SendRoom, chunk: Chunk) -> bool:
-        """Whether the decode learns of `chunk` from an engine notification rather than CHUNK/DONE.
-
-        Only on a write: a standalone notification (NIXL's `send_notif`) leaves
-        only when something progresses the engine again, which for a room with
-        nothing more to write is never. The last chunk's write is its aux slot.
-        """
-        if not self.engine.notifies_receiver:
-            return False
-        if chunk.last:
-            return chunk.aux_src is not None and send_room.aux is not None
-        return bool(chunk.src)
-
-    def _start_tail(self, peer: PeerRecord, send_room: SendRoom, chunk: Chunk) -> bool:
-        """Issue the commit marker of the last chunk; False if that failed (the room failed)."""
-        assert self.pools is not None
-        assert peer.pools is not None
-        aux_run = [] if chunk.aux_src is None or send_room.aux is None else [(chunk.aux_src, send_room.aux, 1)]
-        rides = self._notice_rides_on_write(send_room, chunk)
-        note = notification(send_room.token, chunk.nbytes, last=True) if rides else None
-        job = self._issue(send_room, peer, page_writes(self.pools.aux, peer.pools.aux, aux_run), note)
-        if job is None:
-            return False
-        chunk.tail = job
+    def _finish(self, claim: Claim, chunk: Chunk) -> bool:
+        """Complete the last chunk once every write landed; False while its aux write is still out."""
+        handle = claim.handle
+        assert handle is not None and self.pools is not None
+        blob: bytes | None = None
+        if chunk.aux_src is not None and claim.aux is not None:
+            if self._aux_in_done(claim):
+                blob = b"".join(
+                    ctypes.string_at(r.ptr + chunk.aux_src * r.page_nbytes, r.page_nbytes) for r in self.pools.aux
+                )
+            else:
+                if chunk.tail is None:
+                    peer = claim.session
+                    assert peer.pools is not None
+                    if claim.stopped or handle.is_terminal:
+                        return True
+                    writes = page_writes(self.pools.aux, peer.pools.aux, [(chunk.aux_src, claim.aux, 1)])
+                    tail = self._submit(claim, writes)
+                    if tail is None:
+                        return False
+                    chunk.tail = tail
+                if chunk.tail in claim.jobs:
+                    return False
+        # The commit point: nothing of this claim is in flight and the room is checked, then it completes.
+        if claim.stopped or handle.state is not KVPoll.Transferring:
+            return True
+        handle.chunk_done(chunk.nbytes, last=True)
+        if handle.transfer_done():
+            with self._lock:
+                row = step(wire.CLAIM_TABLE, claim, "landed")
+                if row is not None:
+                    self._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes, blob=blob))
+                self._drop_if_done(claim)
         return True
 
-    def _issue(
-        self, send_room: SendRoom, peer: PeerRecord, writes: list[Write], note: bytes | None
-    ) -> EngineJob | None:
-        """Submit `writes` with `note` riding along; None if that failed (the room failed).
+    def _aux_in_done(self, claim: Claim) -> bool:
+        """Whether the aux bytes travel inside DONE: both aux pools are host memory."""
+        assert self.pools is not None and claim.session.pools is not None
+        return all(r.device == "cpu" for r in (*self.pools.aux, *claim.session.pools.aux))
 
-        The job returned for no writes is already done: it never enters the
-        room's in-flight jobs, so nothing waits for it.
-        """
-        if writes:
-            return self._submit(send_room, peer, writes, note)
-        return DoneJob()
-
-    def _submit(
-        self, send_room: SendRoom, peer: PeerRecord, writes: list[Write], note: bytes | None
-    ) -> EngineJob | None:
+    def _submit(self, claim: Claim, writes: list[Write]) -> EngineJob | None:
+        peer = claim.session
         try:
-            job = self.engine.submit(peer.target, writes, note)
+            job = self.engine.submit(peer.target, writes)
         except Exception as exc:
             if isinstance(exc, PartialSubmit):
-                send_room.jobs_inflight.append(exc.job)
+                claim.jobs.append(exc.job)
             logger.warning("kvfsm %s: submitting %d writes failed: %s", self.name, len(writes), exc)
-            self._engine_error(send_room, f"{self.name} submit failed: {exc}")
+            self.remote_stats.engine_failures += 1
+            self._write_failed(claim, f"{self.name} submit failed: {exc}")
             return None
         self.remote_stats.jobs_submitted += 1
         self.remote_stats.writes_submitted += len(writes)
-        send_room.jobs_inflight.append(job)
+        claim.jobs.append(job)
         return job
 
-    def _engine_error(self, send_room: SendRoom, message: str) -> None:
-        self.remote_stats.engine_failures += 1
-        if send_room.handle is not None and not send_room.failed_sent:
-            send_room.failed_sent = True
-            send_room.handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, message))
+    def _write_failed(self, claim: Claim, message: str) -> None:
+        """A write of `claim` failed: stop it here and now, tell the decode, then fail its room (rule 14)."""
+        reason = FailureReason(FailureKind.TRANSFER_ERROR, message)
+        claim.stopped = True
+        claim.chunks.clear()
+        with self._lock:
+            self._fail_claim(claim, "fail", reason)
+        if claim.handle is not None:
+            claim.handle.fail(reason)
 
-    def _notice(self, send_room: SendRoom, kind: str, fields: dict[str, Any]) -> None:
-        assert send_room.handle is not None
-        self.control.send(send_room.peer, kind, {"room": send_room.handle.room, "token": send_room.token, **fields})
+    def _drained(self, claim: Claim) -> None:
+        """Every write of a stopped claim ended: ACK (unless one may still land), report, forget."""
+        claim.chunks.clear()
+        if claim.undrained:
+            logger.warning(
+                "kvfsm %s room %r: a failed write may still land; no ABORT_ACK, the drain deadline decides",
+                self.name,
+                claim.room,
+            )
+            return
+        with self._lock:
+            row = step(wire.CLAIM_TABLE, claim, "drained")
+            if row is not None:
+                self._emit(claim.session, row, claim.fields)
+            self._drop_if_done(claim)
+        handle = claim.handle
+        if handle is not None:
+            handle.writes_drained()
+
+    def _drop_if_done(self, claim: Claim) -> None:  # the sender half's
+        raise NotImplementedError
+
+    def _fail_claim(self, claim: Claim, input: str, reason: FailureReason | None) -> bool:  # the sender half's
+        raise NotImplementedError

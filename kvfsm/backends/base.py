@@ -267,14 +267,16 @@ def _is_index(value: object) -> bool:
     """An int (not a bool), or a numpy/torch integer scalar: never a float or a str."""
     if value.__class__ is int:
         return True
-    if isinstance(value, bool) or isinstance(value, (float, str, bytes)):
+    if isinstance(value, (bool, float, str, bytes)):
         return False
     if isinstance(value, int):
         return True
     # numpy.int64 and friends: integer by dtype, exact under __index__.
     dtype = getattr(value, "dtype", None)
-    return dtype is not None and str(dtype).removeprefix("torch.").startswith(("int", "uint")) and hasattr(
-        value, "__index__"
+    return (
+        dtype is not None
+        and str(dtype).removeprefix("torch.").startswith(("int", "uint"))
+        and hasattr(value, "__index__")
     )
 
 

@@ -119,7 +119,6 @@ class MooncakeEngine(EngineAdapter):
     """A Mooncake `TransferEngine` (P2P handshake) behind the `EngineAdapter` interface."""
 
     name = "mooncake"
-    notifies_receiver = False
 
     def __init__(
         self,
@@ -166,7 +165,7 @@ class MooncakeEngine(EngineAdapter):
             raise BackendError(f"a Mooncake peer session must be 'host:port'; got {target!r}")
         return target
 
-    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         detail = f"{len(writes)} runs, {sum(w[2] for w in writes)} bytes to {target}"
         if self._pool is not None:
             srcs = [w[0] for w in writes]

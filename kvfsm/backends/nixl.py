@@ -9,16 +9,12 @@ listener thread and etcd are not needed.
 A chunk's coalesced page runs become one NIXL transfer (one descriptor per
 run and KV region): `initialize_xfer("WRITE", ...)`, `transfer`, then
 `check_xfer_state` polled, "DONE"/"PROC"/"ERR" mapped to done/pending/
-failed. The last chunk's commit marker is a WRITE of the aux slot carrying
-a notification `kvfsm1|<token>|<nbytes>`: the decode reads it with
-`get_new_notifs` and completes the room, so completion needs no
-control-plane message. A room with no aux slot has nothing for the
-notification to ride on and completes by control-plane DONE instead: a
-standalone `send_notif` only leaves once something progresses the agent
-again, which for a room with no pages never happens. On
-abort, in-flight handles are released, which asks NIXL to cancel; a handle
-NIXL cannot cancel yet is kept and polled until it ends, and only then is
-the room reported drained.
+failed. Completion travels on the control plane like every engine's
+(DONE, with the aux bytes when both aux pools are host memory), so a room
+reaches Success on the decode only after the prefill saw every write end
+and checked its room (rule 14). On abort, in-flight handles are released,
+which asks NIXL to cancel; a handle NIXL cannot cancel yet is kept and
+polled until it ends, and only then is the room reported drained.
 
 Memory: CPU tensors register as "DRAM", CUDA ones as "VRAM".
 
@@ -28,7 +24,7 @@ a small CPU box starves every other thread (measured here: one-page
 writes went from about 0.1 ms to 10-25 ms). Without it the engine makes
 progress whenever it is polled, and this backend polls: the writer thread
 with `check_xfer_state`, the decode's control thread with
-`get_new_notifs` every millisecond.
+`get_new_notifs` every 0.1 ms while a prefill may be writing into it.
 
 UCX's InfiniBand modules are not loaded when the machine has no IB device
 (`UCX_MODULES=^ib,rdmacm` unless set already): the libibverbs bundled
@@ -118,7 +114,7 @@ class NixlEngine(EngineAdapter):
     """A `nixl_agent` with the UCX backend behind the `EngineAdapter` interface."""
 
     name = "nixl"
-    notifies_receiver = True
+    receiver_progress = True
 
     def __init__(
         self, *, agent_name: str | None = None, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False
@@ -172,23 +168,27 @@ class NixlEngine(EngineAdapter):
         except Exception as exc:
             logger.debug("NIXL remove_remote_agent(%s) failed: %s", target[0], exc)
 
-    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         name, remote_mem = target
         detail = f"{len(writes)} descriptors, {sum(w[2] for w in writes)} bytes to {name}"
         with self.lock:
             local = self.agent.get_xfer_descs([(w[0], w[2], self._device) for w in writes], self._mem_type)
             remote = self.agent.get_xfer_descs([(w[1], w[2], 0) for w in writes], remote_mem)
-            handle = self.agent.initialize_xfer("WRITE", local, remote, name, notify or b"")
+            handle = self.agent.initialize_xfer("WRITE", local, remote, name, b"")
             state = self.agent.transfer(handle)
             if state == "ERR":
                 self.agent.release_xfer_handle(handle)
                 raise BackendError(f"NIXL transfer() of {detail} returned ERR")
         return _XferJob(self, handle, detail)
 
-    def receiver_notifications(self) -> list[bytes]:
+    def progress(self) -> None:
+        # Reading notifications progresses the agent; kvfsm sends none, so any that come are not ours.
         with self.lock:
             notes = self.agent.get_new_notifs()
-        return [message for messages in notes.values() for message in messages]
+        if notes:
+            logger.debug(
+                "NIXL notifications from %s ignored (kvfsm completes rooms over its control plane)", list(notes)
+            )
 
     def close(self) -> None:
         with self.lock:

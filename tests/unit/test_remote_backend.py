@@ -63,7 +63,6 @@ class ScriptedJob(EngineJob):
 
 class ScriptedEngine(EngineAdapter):
     name = "scripted"
-    notifies_receiver = False
 
     def __init__(self) -> None:
         self.scripts: deque[deque[str]] = deque()
@@ -79,7 +78,7 @@ class ScriptedEngine(EngineAdapter):
     def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
         return "peer"
 
-    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
+    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         with self.lock:
             script = self.scripts.popleft() if self.scripts else deque()
             job = ScriptedJob(writes, script)
@@ -167,8 +166,9 @@ def test_pages_land_in_order_and_the_aux_slot_last(pair: Pair) -> None:
     assert torch.equal(rv[:, [3, 4, 9]], sv[:, [0, 1, 2]])
     assert torch.equal(raux[1], saux[2])
     # 4 regions (k0, v0, k1, v1). Chunk 1: pages 0,1 -> 3,4 coalesce into one run per
-    # region; chunk 2: page 2 -> 9, one run per region; then the one aux region.
-    assert [len(job.writes) for job in pair.engine.jobs] == [4, 4, 1]
+    # region; chunk 2: page 2 -> 9, one run per region. The aux slot (host memory on both
+    # sides) travels inside DONE: no engine write for it.
+    assert [len(job.writes) for job in pair.engine.jobs] == [4, 4]
     assert [w[2] for w in pair.engine.jobs[0].writes] == [2 * 1024] * 4
     assert recv.nbytes == send.nbytes == 3 * 4 * 1024
 
@@ -282,7 +282,7 @@ def test_duplicate_room_from_another_decode_transfer_is_refused(pair: Pair) -> N
         assert wait_for(lambda: dup.is_terminal)
         assert dup.reason is not None
         assert dup.reason.kind is kvfsm.FailureKind.BOOTSTRAP_ERROR
-        assert "already in use" in dup.reason.message
+        assert "is in use by another transfer" in dup.reason.message
         # The live room was not touched.
         assert send.state is kvfsm.KVPoll.WaitingForInput
         assert recv.state is kvfsm.KVPoll.WaitingForInput

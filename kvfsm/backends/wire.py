@@ -1,0 +1,630 @@
+"""The wire protocol between a decode and a prefill endpoint, declared once, as data.
+
+`_table.py` declares a room's lifecycle; this module declares what two
+processes say to each other about it. Nothing here does IO: no sockets, no
+threads, no torch. The ZeroMQ transport (`control.py`) only carries the
+bytes this module encodes; the two halves of a remote endpoint
+(`_remote_receiver.py` for the decode, `_remote_sender.py` and
+`_remote_writer.py` for the prefill) move each room's wire record only
+through `step()` over the tables below, so a frame the tables do not expect
+in a record's state is dropped and counted, by construction. The docs draw
+these tables (`mermaid()`), and a model-based test runs both halves over a
+simulated hostile network (tests/property/test_wire_model.py).
+
+Messages (`MESSAGES`)
+    Session messages set up and keep a session between one decode and one
+    prefill endpoint: HELLO / HELLO_ACK (handshake), HEARTBEAT, BYE. Room
+    messages name one transfer: ROOM (decode -> prefill: the decode's pages
+    and aux slot, its claim on the prefill's room), CHUNK and DONE (prefill
+    -> decode: progress and completion; DONE carries the aux bytes when both
+    aux pools are host memory), ABORT (either way) and ABORT_ACK (prefill ->
+    decode: none of this transfer's writes is in flight any more).
+
+Generations (rule 12)
+    Every room message names `room` and `gen`: the decode's generation of
+    that room, a random 63-bit number minted at each `bootstrap()`, so two
+    opens of one room id never share it, not even across restarts. Frames
+    from the prefill also carry `pgen`, the prefill's own generation the
+    claim was bound to; the decode pins it on first sight. A frame whose
+    (room, gen, pgen) names no live record of its session is dropped.
+
+Claims, and why a room id alone cannot pair a reused room
+    Both schedulers know a transfer only by its room id, so when a prefill
+    reopens a room id whose previous generation ended before any decode
+    claimed it, the next ROOM for that id may be the old transfer's late
+    claim or the new one's early one: nothing on the wire tells them apart.
+    kvfsm never guesses. A room id whose prefill generation ended
+    unclaimed is held (ORPHANED) for `pending_ttl`: every ROOM for it is
+    refused with that failure, and a new prefill generation of it fails at
+    bootstrap. A claim is bound only when exactly one claim and one prefill
+    generation can belong together; any ambiguity fails both sides. Wrong
+    KV is impossible; the price is a failed request when a room id is
+    reused within `pending_ttl` of an unclaimed failure (SGLang's room ids
+    are random 63-bit numbers: reuse is a deliberate retry).
+
+Sessions (rule 15)
+    HELLO carries a session id and secret minted by the decode, HELLO_ACK
+    the prefill's; every later frame carries the id and secret its receiver
+    minted (`sid`, `key`), compared in constant time. Only a session's own
+    frames can complete, fail or abort its rooms; an address or id that a
+    frame claims never does. With a shared key configured, HELLO and
+    HELLO_ACK carry an HMAC-SHA256 over their content, so only holders of
+    the key can open a session at all.
+
+Bounds (rule 15)
+    Frame count, header and blob sizes, text lengths and page-list lengths
+    are bounded here; `decode()` turns every way a frame can be wrong
+    (JSON that raises `ValueError` or `RecursionError`, bad UTF-8, a wrong
+    type) into a `MalformedFrame` with a counter category, never another
+    exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._states import MAX_INT_ROOM_ID, MAX_REASON_CHARS, MAX_ROOM_ID_CHARS, MIN_INT_ROOM_ID
+
+__all__ = [
+    "MAGIC",
+    "MAX_BLOB_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_PAGES",
+    "MAX_TEXT",
+    "MESSAGES",
+    "SPECS",
+    "DecodeWire",
+    "PrefillClaim",
+    "PrefillRoom",
+    "Frame",
+    "MalformedFrame",
+    "MessageSpec",
+    "WireRow",
+    "WireTable",
+    "DECODE_TABLE",
+    "CLAIM_TABLE",
+    "ROOM_TABLE",
+    "TABLES",
+    "decode",
+    "encode",
+    "handshake_mac",
+    "mermaid",
+]
+
+#: First frame of every message: protocol name and version.
+MAGIC = b"KVFSM/2"
+#: Largest JSON header frame: a ROOM listing `MAX_PAGES` pages fits.
+MAX_HEADER_BYTES = 6 << 20
+#: Largest binary frame (engine metadata in a handshake, aux bytes in DONE).
+MAX_BLOB_BYTES = 1 << 20
+#: Longest text field (engine names, addresses, reasons once cut).
+MAX_TEXT = 4096
+#: Most pages one ROOM may list (128k-token prompts at one token per page fit four times).
+MAX_PAGES = 1 << 19
+#: Generations are positive 63-bit numbers (JSON ints every peer parses exactly).
+MAX_GEN = (1 << 63) - 1
+# A reason travels as text of at most this; the core already cuts longer ones.
+assert MAX_REASON_CHARS <= MAX_TEXT and MAX_ROOM_ID_CHARS <= MAX_TEXT
+
+
+class MalformedFrame(ValueError):
+    """A frame failed validation; `category` is the counter it goes to, the text says what was wrong."""
+
+    def __init__(self, category: str, problem: str) -> None:
+        self.category = category
+        super().__init__(problem)
+
+
+# -- field checks -----------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return value.__class__ is int
+
+
+def room_id_ok(value: Any) -> bool:
+    """A room id every manager accepts (see kvfsm._manager._check_room_id)."""
+    if value.__class__ is int:
+        return MIN_INT_ROOM_ID <= value <= MAX_INT_ROOM_ID
+    return value.__class__ is str and 0 < len(value) <= MAX_ROOM_ID_CHARS
+
+
+def _gen(value: Any) -> bool:
+    return _is_int(value) and 0 < value <= MAX_GEN
+
+
+def _opt_gen(value: Any) -> bool:
+    return value is None or (_is_int(value) and 0 <= value <= MAX_GEN)
+
+
+def _pgen(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_GEN
+
+
+def _text(value: Any) -> bool:
+    return value.__class__ is str and len(value) <= MAX_TEXT
+
+
+def _token(value: Any) -> bool:
+    return value.__class__ is str and 0 < len(value) <= 64
+
+
+def _opt_token(value: Any) -> bool:
+    return value is None or _token(value)
+
+
+def _count(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_GEN
+
+
+def _opt_count(value: Any) -> bool:
+    return value is None or _count(value)
+
+
+def _mapping(value: Any) -> bool:
+    return value.__class__ is dict and all(k.__class__ is str for k in value)
+
+
+def _pages(value: Any) -> bool:
+    return (
+        value.__class__ is list
+        and len(value) <= MAX_PAGES
+        and all(p.__class__ is int and 0 <= p <= MAX_GEN for p in value)
+    )
+
+
+Check = Callable[[object], bool]
+_CHECK_DOCS: dict[Check, str] = {
+    room_id_ok: f"a room id (an int of 64 bits or a str of 1 to {MAX_ROOM_ID_CHARS} characters)",
+    _gen: "a generation (an int in 1..2**63-1)",
+    _opt_gen: "a generation or null",
+    _pgen: "a prefill generation (an int >= 0)",
+    _text: f"a str of at most {MAX_TEXT} characters",
+    _token: "a session id or secret (a str of 1 to 64 characters)",
+    _opt_token: "a session secret or null",
+    _count: "an int >= 0",
+    _opt_count: "an int >= 0 or null",
+    _mapping: "a JSON object",
+    _pages: f"a list of at most {MAX_PAGES} page indices (ints >= 0)",
+}
+
+
+# -- the messages ---------------------------------------------------------------------------
+
+
+class Scope(str, enum.Enum):
+    SESSION = "session"
+    ROOM = "room"
+
+
+class Sender(str, enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+    EITHER = "either"
+
+
+@attrs.frozen(slots=True)
+class MessageSpec:
+    """One message type: who sends it, what it is about, its fields and whether a blob may follow."""
+
+    name: str
+    sender: Sender
+    scope: Scope
+    fields: tuple[tuple[str, Check], ...]
+    blob: bool
+    doc: str
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the frame carries its receiver's session id and secret (every message but HELLO)."""
+        return self.name != "HELLO"
+
+
+_AUTH: tuple[tuple[str, Check], ...] = (("sid", _token), ("key", _token))
+_REPLY: tuple[tuple[str, Check], ...] = (("reply_sid", _token), ("reply_key", _token))
+_HANDSHAKE: tuple[tuple[str, Check], ...] = (
+    ("role", _text),
+    ("engine", _text),
+    ("session", _mapping),
+    ("mac", _opt_token),
+)
+
+MESSAGES: tuple[MessageSpec, ...] = (
+    MessageSpec(
+        "HELLO",
+        Sender.DECODE,
+        Scope.SESSION,
+        (("addr", _text), *_REPLY, *_HANDSHAKE),
+        True,
+        "first contact: where to answer, the session id and secret the prefill must use, "
+        "the decode's engine session and pool layout (engine metadata in the blob)",
+    ),
+    MessageSpec(
+        "HELLO_ACK",
+        Sender.PREFILL,
+        Scope.SESSION,
+        (*_AUTH, *_REPLY, *_HANDSHAKE, ("refused", _text)),
+        True,
+        "the answer, to the HELLO's address: the prefill's session id and secret, engine session "
+        "and pools, or why it refused (refused is empty when it did not)",
+    ),
+    MessageSpec("HEARTBEAT", Sender.EITHER, Scope.SESSION, _AUTH, False, "a sign of life"),
+    MessageSpec(
+        "BYE", Sender.EITHER, Scope.SESSION, _AUTH, False, "shutting down on purpose: do not wait for the window"
+    ),
+    MessageSpec(
+        "ROOM",
+        Sender.DECODE,
+        Scope.ROOM,
+        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pages", _pages), ("aux", _opt_count)),
+        False,
+        "the decode's claim on the prefill's room: its generation, destination pages and aux slot",
+    ),
+    MessageSpec(
+        "CHUNK",
+        Sender.PREFILL,
+        Scope.ROOM,
+        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
+        False,
+        "every write of one middle chunk landed",
+    ),
+    MessageSpec(
+        "DONE",
+        Sender.PREFILL,
+        Scope.ROOM,
+        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
+        True,
+        "every write of the transfer landed and the prefill's room succeeded; the blob is the aux "
+        "slot's bytes when they were not written by the engine",
+    ),
+    MessageSpec(
+        "ABORT",
+        Sender.EITHER,
+        Scope.ROOM,
+        (
+            *_AUTH,
+            ("room", room_id_ok),
+            ("gen", _gen),
+            ("pgen", _opt_gen),
+            ("kind", _text),
+            ("message", _text),
+        ),
+        False,
+        "this side's room failed (kind and message are its FailureReason)",
+    ),
+    MessageSpec(
+        "ABORT_ACK",
+        Sender.PREFILL,
+        Scope.ROOM,
+        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _opt_gen)),
+        False,
+        "none of this transfer's writes is in flight: the decode may release its pages",
+    ),
+)
+
+SPECS: dict[str, MessageSpec] = {spec.name: spec for spec in MESSAGES}
+
+
+# -- per-room wire states and their tables ----------------------------------------------------------
+
+
+class DecodeWire(str, enum.Enum):
+    """A decode room's wire state (one record per decode generation)."""
+
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLAIMED = "claimed"
+    RECEIVING = "receiving"
+    DONE = "done"
+    ABORTING = "aborting"
+    PEER_ABORTED = "peer_aborted"
+    UNTOLD = "untold"
+    SETTLED = "settled"
+    LOST = "lost"
+
+
+class PrefillClaim(str, enum.Enum):
+    """A decode's claim as the prefill holds it (one record per (session, room, gen))."""
+
+    EARLY = "early"
+    BOUND = "bound"
+    WRITING = "writing"
+    DONE = "done"
+    STOPPING = "stopping"
+    ACKED = "acked"
+
+
+class PrefillRoom(str, enum.Enum):
+    """A room id on the prefill, as far as claims go (one record per room id)."""
+
+    UNCLAIMED = "unclaimed"
+    CLAIMED = "claimed"
+    FAILED = "failed"
+    ORPHANED = "orphaned"
+
+
+@attrs.frozen(slots=True)
+class WireRow:
+    """`input` moves a record from any of `sources` to `dest`, sending `sends` (in that order).
+
+    A source of None is a record that does not exist yet; a `dest` of None
+    drops the record.
+    """
+
+    input: str
+    sources: tuple[enum.Enum | None, ...]
+    dest: enum.Enum | None
+    sends: tuple[str, ...]
+    doc: str
+
+
+@attrs.frozen(slots=True)
+class WireTable:
+    """One kind of wire record: its states, its rows, and the step function over them."""
+
+    name: str
+    states: type[enum.Enum]
+    rows: tuple[WireRow, ...]
+    doc: str
+    index: Mapping[tuple[enum.Enum | None, str], WireRow] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        index: dict[tuple[enum.Enum | None, str], WireRow] = {}
+        for row in self.rows:
+            for source in row.sources:
+                key = (source, row.input)
+                if key in index:
+                    raise ValueError(f"{self.name}: two rows for {row.input!r} in {source}")
+                index[key] = row
+        object.__setattr__(self, "index", index)
+
+    def row(self, state: enum.Enum | None, input: str) -> WireRow | None:
+        """The row `input` takes in `state` (None: a new record), or None when not allowed there."""
+        return self.index.get((state, input))
+
+    def inputs(self) -> tuple[str, ...]:
+        """Every input the table knows, in declaration order."""
+        return tuple(dict.fromkeys(row.input for row in self.rows))
+
+
+_D = DecodeWire
+DECODE_TABLE = WireTable(
+    "decode",
+    DecodeWire,
+    (
+        WireRow("bootstrap", (None,), _D.HANDSHAKE, (), "bootstrap(): HELLO goes out if no session is up"),
+        WireRow("session_up", (_D.HANDSHAKE,), _D.READY, (), "the prefill answered: the room is bootstrapped"),
+        WireRow("session_up", (_D.UNTOLD,), _D.SETTLED, ("ABORT",), "failed before the answer: tell the prefill now"),
+        WireRow("session_refused", (_D.HANDSHAKE, _D.UNTOLD), _D.SETTLED, (), "the prefill refused the session"),
+        WireRow("expect", (_D.READY,), _D.CLAIMED, ("ROOM",), "expect(): claim the prefill's room with our pages"),
+        WireRow("recv CHUNK", (_D.CLAIMED, _D.RECEIVING), _D.RECEIVING, (), "a middle chunk landed"),
+        WireRow("recv DONE", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "everything landed: Success"),
+        WireRow("recv ABORT", (_D.CLAIMED, _D.RECEIVING), _D.PEER_ABORTED, (), "the prefill failed: wait for its ACK"),
+        WireRow("recv ABORT", (_D.ABORTING,), _D.ABORTING, (), "both sides failed: still wait for the ACK"),
+        WireRow(
+            "recv ABORT_ACK",
+            (_D.ABORTING, _D.PEER_ABORTED),
+            _D.SETTLED,
+            (),
+            "no write of this transfer is in flight: release-safe",
+        ),
+        WireRow("fail", (_D.HANDSHAKE,), _D.UNTOLD, (), "failed before the session was up"),
+        WireRow("fail", (_D.READY,), _D.SETTLED, ("ABORT",), "failed before claiming: nothing can land"),
+        WireRow(
+            "fail",
+            (_D.CLAIMED, _D.RECEIVING),
+            _D.ABORTING,
+            ("ABORT",),
+            "failed after claiming: the prefill may be writing, wait for its ACK",
+        ),
+        WireRow("fail", (_D.DONE,), _D.SETTLED, (), "failed after DONE: every write had landed already"),
+        WireRow("fail", (_D.PEER_ABORTED,), _D.PEER_ABORTED, (), "our own echo of the prefill's ABORT"),
+        WireRow("fail", (_D.LOST,), _D.LOST, (), "our own echo of the lost session"),
+        WireRow("fail", (_D.SETTLED,), _D.SETTLED, (), "our own echo of a refused session"),
+        WireRow(
+            "session_lost", (_D.HANDSHAKE, _D.READY, _D.UNTOLD), _D.SETTLED, (), "lost before claiming: nothing lands"
+        ),
+        WireRow(
+            "session_lost",
+            (_D.CLAIMED, _D.RECEIVING, _D.ABORTING, _D.PEER_ABORTED),
+            _D.LOST,
+            (),
+            "lost after claiming: a peer we cannot hear may still write; the drain deadline decides",
+        ),
+        WireRow("close", tuple(DecodeWire), None, (), "the room was closed: later frames for it are stale"),
+    ),
+    "One per decode generation, from bootstrap() to close.",
+)
+
+_C = PrefillClaim
+CLAIM_TABLE = WireTable(
+    "claim",
+    PrefillClaim,
+    (
+        WireRow("recv ROOM: hold", (None,), _C.EARLY, (), "this room id is not bootstrapped here yet: keep the claim"),
+        WireRow("recv ROOM: bind", (None,), _C.BOUND, (), "the one open room of that id, unclaimed: bind"),
+        WireRow(
+            "recv ROOM: refuse",
+            (None,),
+            _C.ACKED,
+            ("ABORT", "ABORT_ACK"),
+            "in use, failed, held (orphaned) or ambiguous: refused, nothing was written",
+        ),
+        WireRow("bind", (_C.EARLY,), _C.BOUND, (), "bootstrap() of the room found this one claim"),
+        WireRow("refuse", (_C.EARLY,), _C.ACKED, ("ABORT", "ABORT_ACK"), "bootstrap() found it ambiguous or failed"),
+        WireRow(
+            "expire", (_C.EARLY,), _C.ACKED, ("ABORT", "ABORT_ACK"), "the room was not bootstrapped within pending_ttl"
+        ),
+        WireRow("send", (_C.BOUND, _C.WRITING), _C.WRITING, (), "send(): chunks queued for the writer"),
+        WireRow("progress", (_C.WRITING,), _C.WRITING, ("CHUNK",), "a middle chunk landed"),
+        WireRow(
+            "landed", (_C.WRITING,), _C.DONE, ("DONE",), "every write landed and the room succeeded (checked first)"
+        ),
+        WireRow("fail", (_C.BOUND,), _C.ACKED, ("ABORT", "ABORT_ACK"), "the room failed before any write"),
+        WireRow("fail", (_C.WRITING,), _C.STOPPING, ("ABORT",), "the room failed: no new write; drain the others"),
+        WireRow("fail", (_C.STOPPING,), _C.STOPPING, (), "our own echo of the decode's ABORT"),
+        WireRow("fail", (_C.ACKED,), _C.ACKED, (), "our own echo of the decode's ABORT"),
+        WireRow("recv ABORT", (_C.EARLY, _C.BOUND, _C.DONE), _C.ACKED, ("ABORT_ACK",), "nothing is in flight: ACK"),
+        WireRow("recv ABORT", (_C.ACKED,), _C.ACKED, ("ABORT_ACK",), "a repeated ABORT: ACK again"),
+        WireRow("recv ABORT", (_C.WRITING, _C.STOPPING), _C.STOPPING, (), "writes may be in flight: ACK once drained"),
+        WireRow("drained", (_C.STOPPING,), _C.ACKED, ("ABORT_ACK",), "the engine ended every write of the claim"),
+        WireRow("session_lost", (_C.EARLY, _C.BOUND, _C.DONE), _C.ACKED, (), "the decode is gone; nothing in flight"),
+        WireRow("session_lost", (_C.WRITING, _C.STOPPING), _C.STOPPING, (), "the decode is gone; drain what is left"),
+        WireRow("forget", (_C.DONE, _C.ACKED), None, (), "the room is closed and nothing is in flight"),
+    ),
+    "One per decode claim (session, room, gen); kept until none of its writes is in flight.",
+)
+
+_R = PrefillRoom
+ROOM_TABLE = WireTable(
+    "room",
+    PrefillRoom,
+    (
+        WireRow("bootstrap", (None,), _R.UNCLAIMED, (), "bootstrap(): wait for the decode's claim"),
+        WireRow("bootstrap: bind", (None,), _R.CLAIMED, (), "bootstrap(): exactly one early claim was waiting"),
+        WireRow(
+            "bootstrap: refuse",
+            (None, _R.ORPHANED),
+            _R.FAILED,
+            (),
+            "held for an earlier unclaimed generation, aborted early, or claimed twice: fail at once",
+        ),
+        WireRow("claim", (_R.UNCLAIMED,), _R.CLAIMED, (), "a decode's ROOM bound to this generation"),
+        WireRow("fail", (_R.UNCLAIMED,), _R.FAILED, (), "failed before any claim: later ROOMs get this failure"),
+        WireRow("close", (_R.FAILED, _R.UNCLAIMED), _R.ORPHANED, (), "closed unclaimed: hold the id for pending_ttl"),
+        WireRow("close", (_R.CLAIMED,), None, (), "closed after its claim: the claim record goes on alone"),
+        WireRow("expire", (_R.ORPHANED,), None, (), "pending_ttl passed: the id is free again"),
+    ),
+    "One per room id on the prefill while a generation is open or the id is held.",
+)
+
+TABLES: tuple[WireTable, ...] = (DECODE_TABLE, CLAIM_TABLE, ROOM_TABLE)
+
+
+# -- frames -----------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class Frame:
+    """One validated message: its type, its fields (header keys) and its blob."""
+
+    type: str
+    fields: dict[str, Any]
+    blob: bytes | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+
+def encode(kind: str, fields: Mapping[str, Any], blob: bytes | None = None) -> list[bytes]:
+    """The frames of one message. A sender bug (a field that would not validate) raises `MalformedFrame`."""
+    spec = SPECS.get(kind)
+    if spec is None:
+        raise MalformedFrame("unknown_type", f"unknown message type {kind!r}")
+    header: dict[str, Any] = {"type": kind}
+    for name, check in spec.fields:
+        value = fields.get(name)
+        if not check(value):
+            raise MalformedFrame("malformed", f"{kind}.{name} must be {_CHECK_DOCS[check]}; got {value!r:.80}")
+        header[name] = value
+    extra = set(fields) - {name for name, _ in spec.fields}
+    if extra:
+        raise MalformedFrame("malformed", f"{kind} has no field {sorted(extra)[0]!r}")
+    data = json.dumps(header, separators=(",", ":")).encode()
+    if len(data) > MAX_HEADER_BYTES:
+        raise MalformedFrame("oversized", f"{kind} header is {len(data)} bytes; at most {MAX_HEADER_BYTES}")
+    frames = [MAGIC, data]
+    if blob is not None:
+        if not spec.blob:
+            raise MalformedFrame("malformed", f"{kind} carries no blob")
+        if len(blob) > MAX_BLOB_BYTES:
+            raise MalformedFrame("oversized", f"{kind} blob is {len(blob)} bytes; at most {MAX_BLOB_BYTES}")
+        frames.append(bytes(blob))
+    return frames
+
+
+# Everything json.loads may raise on hostile bytes: bad JSON or UTF-8 (ValueError and its
+# subclasses, including "exceeds the limit for integer string conversion"), too deep a nesting
+# (RecursionError), and the rest for safety.
+_DECODE_ERRORS = (ValueError, RecursionError, TypeError, OverflowError, MemoryError)
+
+
+def decode(frames: Sequence[bytes]) -> Frame:
+    """Validate the frames of one message; `MalformedFrame` names what is wrong and its counter."""
+    if not 2 <= len(frames) <= 3:
+        raise MalformedFrame("malformed", f"expected 2 or 3 frames (magic, header[, blob]); got {len(frames)}")
+    magic = bytes(frames[0][:32])
+    if magic != MAGIC:
+        if magic.startswith(b"KVFSM/"):
+            raise MalformedFrame("bad_version", f"expected protocol {MAGIC!r}; got {magic!r}")
+        raise MalformedFrame("malformed", f"expected magic frame {MAGIC!r}; got {magic!r}")
+    if len(frames[1]) > MAX_HEADER_BYTES:
+        raise MalformedFrame("oversized", f"header frame of {len(frames[1])} bytes; at most {MAX_HEADER_BYTES}")
+    if len(frames) == 3 and len(frames[2]) > MAX_BLOB_BYTES:
+        raise MalformedFrame("oversized", f"blob frame of {len(frames[2])} bytes; at most {MAX_BLOB_BYTES}")
+    try:
+        header = json.loads(bytes(frames[1]))
+    except _DECODE_ERRORS as exc:
+        raise MalformedFrame("malformed", f"header frame is not JSON this protocol reads: {exc!s:.120}") from None
+    if header.__class__ is not dict:
+        raise MalformedFrame("malformed", f"header must be a JSON object; got {type(header).__name__}")
+    kind = header.get("type")
+    spec = SPECS.get(kind) if kind.__class__ is str else None
+    if spec is None:
+        raise MalformedFrame("unknown_type", f"unknown message type {kind!r:.40}; known: {', '.join(SPECS)}")
+    fields: dict[str, Any] = {}
+    for name, check in spec.fields:
+        if name not in header:
+            raise MalformedFrame("malformed", f"{kind} needs field {name!r} ({_CHECK_DOCS[check]}); it is missing")
+        value = header[name]
+        if not check(value):
+            raise MalformedFrame("malformed", f"{kind}.{name} must be {_CHECK_DOCS[check]}; got {value!r:.80}")
+        fields[name] = value
+    if len(header) != len(fields) + 1:
+        extra = sorted(set(header) - set(fields) - {"type"})
+        raise MalformedFrame("malformed", f"{kind} has unknown field {extra[0]!r:.40}")
+    blob = None
+    if len(frames) == 3:
+        if not spec.blob:
+            raise MalformedFrame("malformed", f"{kind} carries no blob; got {len(frames[2])} bytes")
+        blob = bytes(frames[2])
+    return Frame(str(kind), fields, blob)
+
+
+def handshake_mac(key: bytes, kind: str, fields: Mapping[str, Any], blob: bytes | None) -> str:
+    """HMAC-SHA256 (hex, 64 characters) of a HELLO or HELLO_ACK's content without its `mac`.
+
+    Both sides serialise the same fields the same way (sorted keys, no
+    spaces), so the MAC does not depend on the header's byte layout.
+    """
+    content = {name: value for name, value in fields.items() if name != "mac"}
+    data = json.dumps({"type": kind, **content}, sort_keys=True, separators=(",", ":")).encode()
+    digest = hmac.new(key, b"KVFSM/2 handshake\0" + data + b"\0" + (blob or b""), hashlib.sha256)
+    return digest.hexdigest()
+
+
+# -- diagrams -------------------------------------------------------------------------------------
+
+
+def mermaid(table: WireTable) -> str:
+    """A mermaid state diagram of one table, drawn from its rows (the docs' Wire protocol page)."""
+    lines = ["stateDiagram-v2", f"    %% kvfsm wire protocol: {table.name} records, generated from kvfsm.backends.wire"]
+    for row in table.rows:
+        label = row.input + ("" if not row.sends else " / " + ", ".join(row.sends))
+        target = "[*]" if row.dest is None else row.dest.name
+        for source in row.sources:
+            origin = "[*]" if source is None else source.name
+            lines.append(f"    {origin} --> {target}: {label}")
+    return "\n".join(lines) + "\n"
+
+
+def sends_table(messages: Iterable[MessageSpec] = MESSAGES) -> list[tuple[str, str, str, str]]:
+    """(message, sender, scope, what it does) for the docs."""
+    return [(spec.name, spec.sender.value, spec.scope.value, spec.doc) for spec in messages]
