@@ -309,8 +309,9 @@ class TransferManager:
         self._rooms: dict[RoomId, TransferHandle] = {}
         # Two generations of tombstones: the newest `remember_closed` closes
         # at least, twice that at most, for O(1) per close without an LRU.
-        self._closed: dict[RoomId, tuple[int, KVPoll]] = {}
-        self._closed_older: dict[RoomId, tuple[int, KVPoll]] = {}
+        # room -> (generation, final state, when it ended): see `last_closed`.
+        self._closed: dict[RoomId, tuple[int, KVPoll, float | None]] = {}
+        self._closed_older: dict[RoomId, tuple[int, KVPoll, float | None]] = {}
         self._remember_closed = remember_closed
         self._generation = 0
         self._observers: tuple[Observer, ...] = ()
@@ -365,6 +366,14 @@ class TransferManager:
         """Open rooms per state (every state listed, zeros included)."""
         live = self._table.live
         return {state: live[state] for state in KVPoll}
+
+    def last_closed(self, room: RoomId) -> tuple[int, KVPoll, float | None] | None:
+        """The newest closed generation of `room` still remembered: (generation, final state, when it ended).
+
+        A cross-process backend reads it to learn of a generation that was
+        opened and closed without ever reaching it (no `bootstrap()`).
+        """
+        return self._closed.get(room) or self._closed_older.get(room)
 
     def allowed_events(self, state: KVPoll) -> tuple[str, ...]:
         """Events the table accepts in `state`, in declaration order."""
@@ -456,7 +465,7 @@ class TransferManager:
                     self._retire(handle, 0.0, None)
                     if self._remember_closed:
                         closed = self._closed
-                        closed[room] = (handle.generation, state)
+                        closed[room] = (handle.generation, state, handle.finished_at)
                         if len(closed) >= self._remember_closed:
                             self._closed_older, self._closed = closed, {}
                     return
@@ -776,7 +785,7 @@ class TransferManager:
                 self._retire(handle, 0.0, None)
                 if self._remember_closed:
                     closed = self._closed
-                    closed[room] = (handle.generation, handle.state)
+                    closed[room] = (handle.generation, handle.state, handle.finished_at)
                     if len(closed) >= self._remember_closed:
                         self._closed_older, self._closed = closed, {}
                 if self._observers:
@@ -799,9 +808,9 @@ class TransferManager:
             return UnknownRoom(
                 room, f"this handle's generation was closed; the room is open again as generation {live.generation}"
             )
-        closed = self._closed.get(room) or self._closed_older.get(room)
+        closed = self.last_closed(room)
         if closed is not None:
-            generation, final = closed
+            generation, final, _ended = closed
             return UnknownRoom(room, f"it was closed (generation {generation}, final state {final.name})")
         if self._remember_closed:
             return UnknownRoom(room, f"it was never opened on this {self.role.value} manager (or was closed long ago)")

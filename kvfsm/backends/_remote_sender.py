@@ -39,6 +39,8 @@ logger = logging.getLogger("kvfsm.backends.remote")
 
 _C = wire.PrefillClaim
 _R = wire.PrefillRoom
+#: Room ids whose last bootstrapped generation a prefill remembers (as the manager's tombstones).
+_REMEMBER_BOOTSTRAPS = 65536
 
 
 class Slot:
@@ -70,9 +72,15 @@ class SenderSide(WriterThread):
     # Early claims and early aborts in arrival order: what expires first, what a flood evicts.
     _pending: OrderedDict[tuple[int, Any], tuple[float, Slot, Any]]
     _orphans: OrderedDict[Any, Slot]
+    # room id -> the last generation bootstrap() was called for (to recognise one that never was).
+    _bootstrapped: OrderedDict[Any, int]
+    # (room, prefill generation) -> its bound claim, until the claim is forgotten.
+    _claim_of: dict[tuple[Any, int], Claim]
 
     def _init_sender(self) -> None:
         self._seen = {}
+        self._bootstrapped = OrderedDict()
+        self._claim_of = {}
         self._slots = {}
         self._pending = OrderedDict()
         self._orphans = OrderedDict()
@@ -149,10 +157,17 @@ class SenderSide(WriterThread):
         with self._lock:
             self._expire_sender(self._clock_now(), fire)
             slot = self._slots.get(handle.room)
+            if slot is not None:
+                self._catch_up(slot, fire)
+                slot = self._slots.get(handle.room)
             if slot is None:
                 slot = self._slots[handle.room] = Slot(handle.room)
             slot.handle = handle
-            reason = self._refusal(slot)
+            reason = self._unseen_generation(handle) or self._refusal(slot)
+            self._bootstrapped[handle.room] = handle.generation
+            self._bootstrapped.move_to_end(handle.room)
+            while len(self._bootstrapped) > _REMEMBER_BOOTSTRAPS:
+                self._bootstrapped.popitem(last=False)
             if reason is not None:
                 step(wire.ROOM_TABLE, slot, "bootstrap: refuse")
                 self._orphans.pop(slot.room, None)
@@ -170,6 +185,28 @@ class SenderSide(WriterThread):
                 step(wire.ROOM_TABLE, slot, "bootstrap")
         for event in fire:
             event()
+
+    def _unseen_generation(self, handle: TransferHandle) -> FailureReason | None:
+        """A refusal if an earlier generation of this room id was opened and closed here, unseen, lately.
+
+        Such a generation never reached this backend (no `bootstrap()`), so
+        no slot held its id; its decode may still claim it, just like one of
+        a generation that ended unclaimed (see `wire`).
+        """
+        closed = self.manager.last_closed(handle.room)
+        if closed is None:
+            return None
+        generation, _state, ended = closed
+        if self._bootstrapped.get(handle.room) == generation:
+            return None  # it reached us: its slot decided
+        if ended is not None and self._clock_now() - ended > self.config.pending_ttl:
+            return None
+        self.remote_stats.held_room_refusals += 1
+        return FailureReason(
+            FailureKind.BOOTSTRAP_ERROR,
+            f"room id {handle.room!r} was reused within pending_ttl ({self.config.pending_ttl:g}s) of generation "
+            f"{generation}, which closed without bootstrap(): a claim for it cannot be told from one for this generation",
+        )
 
     def _refusal(self, slot: Slot) -> FailureReason | None:
         """Why a new generation of `slot`'s room id cannot be paired with any claim, or None."""
@@ -229,17 +266,41 @@ class SenderSide(WriterThread):
             self._work.put(("chunk", (claim, chunk)))
 
     def _stop_sender(self, handle: TransferHandle) -> None:
-        drained = True
         with self._lock:
-            slot = self._slots.get(handle.room)
-            if slot is not None and slot.handle is handle:
-                if slot.wire is _R.UNCLAIMED:
-                    step(wire.ROOM_TABLE, slot, "fail")
-                    slot.reason = handle.reason
-                elif slot.wire is _R.CLAIMED and slot.claim is not None:
-                    drained = self._fail_claim(slot.claim, "fail", handle.reason)
+            drained = self._stop_locked(handle)
         if drained:
             handle.writes_drained()
+
+    def _stop_locked(self, handle: TransferHandle) -> bool:
+        """The room of `handle` failed: step its claim or slot; True when nothing of it is in flight.
+
+        Idempotent: a stop caught up with early (`_catch_up`) and the notice's
+        own stop later step the same rows once.
+        """
+        claim = self._claim_of.get((handle.room, handle.generation))
+        if claim is not None:
+            return self._fail_claim(claim, "fail", handle.reason)
+        slot = self._slots.get(handle.room)
+        if slot is not None and slot.handle is handle and slot.wire is _R.UNCLAIMED:
+            step(wire.ROOM_TABLE, slot, "fail")
+            slot.reason = handle.reason
+        return True
+
+    def _catch_up(self, slot: Slot, fire: Fire) -> None:
+        """Apply what the manager's notices have not told us yet about `slot`'s generation (lock held).
+
+        Notices reach the backend after the manager's lock, possibly on
+        another thread, so a generation may be failed or even closed while
+        its slot still says UNCLAIMED: a claim must never bind to it, and a
+        new generation of the id must not inherit its slot.
+        """
+        handle = slot.handle
+        if handle is None:
+            return
+        if handle.state is KVPoll.Failed and self._stop_locked(handle):
+            fire.append(handle.writes_drained)
+        if handle.closed:
+            self._forget_locked(handle)
 
     def _fail_claim(self, claim: Claim, input: str, reason: FailureReason | None) -> bool:
         """Step a bound claim whose room failed; True when nothing of it is in flight (lock held)."""
@@ -255,28 +316,43 @@ class SenderSide(WriterThread):
 
     def _forget_sender(self, handle: TransferHandle) -> None:
         with self._lock:
-            slot = self._slots.get(handle.room)
-            if slot is None or slot.handle is not handle:
-                return
-            claim = slot.claim
-            step(wire.ROOM_TABLE, slot, "close")
-            slot.handle = None
-            if slot.wire is _R.ORPHANED:
-                slot.orphaned_at = self._clock_now()
-                self._orphans.pop(slot.room, None)
-                self._orphans[slot.room] = slot
-            else:
-                slot.claim = None
-                if slot.empty:
-                    del self._slots[handle.room]
-            if claim is not None:
-                claim.room_closed = True
-                self._drop_if_done(claim)
+            self._forget_locked(handle)
+
+    def _forget_locked(self, handle: TransferHandle) -> None:
+        claim = self._claim_of.get((handle.room, handle.generation))
+        if claim is not None:
+            claim.room_closed = True
+            self._drop_if_done(claim)
+        slot = self._slots.get(handle.room)
+        if slot is None or slot.handle is not handle:
+            return
+        step(wire.ROOM_TABLE, slot, "close")
+        slot.handle = None
+        slot.claim = None
+        if slot.wire is _R.ORPHANED and not self._holds_unclaimed(slot):
+            step(wire.ROOM_TABLE, slot, "expire")
+        if slot.wire is _R.ORPHANED:
+            slot.orphaned_at = self._clock_now()
+            self._orphans.pop(slot.room, None)
+            self._orphans[slot.room] = slot
+        elif slot.empty:
+            del self._slots[handle.room]
+
+    def _holds_unclaimed(self, slot: Slot) -> bool:
+        """Whether a room id closed before any claim is held for `pending_ttl` (always: see `wire`).
+
+        Forgetting it at once would let the closed generation's late claim
+        bind to the next generation of the id: defect 1 of issue 11, which
+        the model-based test re-introduces through this method.
+        """
+        return True
 
     def _drop_if_done(self, claim: Claim) -> None:
         """Forget a claim once its room closed and nothing of it is in flight (lock held)."""
         if claim.room_closed and step(wire.CLAIM_TABLE, claim, "forget") is not None:
             claim.session.records.pop((claim.room, claim.gen), None)
+            if claim.handle is not None:
+                self._claim_of.pop((claim.room, claim.handle.generation), None)
             seen = self._seen.get(claim.session.sid)
             if seen is not None:
                 seen.add((claim.room, claim.gen))
@@ -301,6 +377,9 @@ class SenderSide(WriterThread):
         claim = Claim(session, room, gen, list(pages), aux)
         session.records[key] = claim
         slot = self._slots.get(room)
+        if slot is not None:
+            self._catch_up(slot, fire)
+            slot = self._slots.get(room)
         assert session.pools is not None
         problem: FailureReason | None = None
         if any(p >= session.pools.num_pages for p in pages):
@@ -352,6 +431,7 @@ class SenderSide(WriterThread):
         claim.handle = slot.handle
         claim.pgen = slot.handle.generation
         slot.claim = claim
+        self._claim_of[(claim.room, claim.pgen)] = claim
 
     def _refuse_claim(self, claim: Claim, input: str, reason: FailureReason) -> None:
         """Refuse a claim: ABORT and ABORT_ACK (nothing was written for it), and forget it (lock held)."""
@@ -397,12 +477,18 @@ class SenderSide(WriterThread):
                 return
             # The decode failed before it claimed: nothing of it was ever written here.
             slot = self._slots.get(room)
+            if slot is not None:
+                self._catch_up(slot, fire)
+                slot = self._slots.get(room)
             if slot is not None and slot.wire is _R.UNCLAIMED and slot.handle is not None:
                 step(wire.ROOM_TABLE, slot, "fail")
                 slot.reason = reason
                 handle = slot.handle
                 fire.append(lambda: handle.fail(reason))
             elif slot is None or slot.wire is None:
+                if (id(session), key) in self._pending:
+                    self.remote_stats.stale_messages += 1  # a duplicate of an early abort held already
+                    return
                 if not self._admit_pending(session, key):
                     self.remote_stats.pending_dropped += 1
                     return

@@ -299,9 +299,15 @@ class WriterThread(RemoteEndpoint):
                     chunk.tail = tail
                 if chunk.tail in claim.jobs:
                     return False
-        # The commit point: nothing of this claim is in flight and the room is checked, then it completes.
+        self._complete(claim, chunk, blob)
+        return True
+
+    def _complete(self, claim: Claim, chunk: Chunk, blob: bytes | None) -> None:
+        """The commit point: nothing of the claim is in flight; check the room, complete it, then tell the decode."""
+        handle = claim.handle
+        assert handle is not None
         if claim.stopped or handle.state is not KVPoll.Transferring:
-            return True
+            return
         handle.chunk_done(chunk.nbytes, last=True)
         if handle.transfer_done():
             with self._lock:
@@ -309,7 +315,6 @@ class WriterThread(RemoteEndpoint):
                 if row is not None:
                     self._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes, blob=blob))
                 self._drop_if_done(claim)
-        return True
 
     def _aux_in_done(self, claim: Claim) -> bool:
         """Whether the aux bytes travel inside DONE: both aux pools are host memory."""

@@ -1,0 +1,560 @@
+"""The wire protocol, model-checked: two real managers per pair, a hostile simulated network.
+
+One prefill and two decode endpoints (tests/wire_sim.py: the production
+remote backend with its sockets and threads replaced) run requests on a
+handful of room ids, so ids are reused on either side while older
+generations still have frames in flight. Hypothesis interleaves the
+schedulers' calls (open, bootstrap, expect, send, abort, close) with the
+network's (deliver any frame in flight, in any order; duplicate one; drop
+one), the engine's (complete or fail any write, late), forged frames (wrong
+session secret, unknown session, wrong generation, unknown room, replays of
+closed generations) and the clock.
+
+After every step:
+
+* no decode room is Success unless each of its pages and its aux slot holds
+  what its own request's prefill sent (wrong KV after a reused room id,
+  Success after a failed or missing write);
+* no Failed room is release-safe while an engine write into (decode) or out
+  of (prefill) its pages is in flight;
+* a forged frame changes no room (checked around each one).
+
+At the end the network heals (everything delivered, every write completed,
+deadlines pass) and every room must be terminal, with decode Success only
+where its prefill succeeded, and every prefill failure seen by its decode.
+
+`test_the_model_catches_*` re-introduce defects 1, 2 and 3 of issue 11 into
+the production code and show the model fails on each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+pytest.importorskip("torch", reason="torch is needed for the KV pools")
+
+import kvfsm  # noqa: E402
+from kvfsm import KVPoll  # noqa: E402
+from kvfsm.backends import _remote_sender, _remote_writer, wire  # noqa: E402
+from tests.wire_sim import AUX_BYTES, AUX_SLOTS, PAGES, SimBackend, World  # noqa: E402
+
+ROOM_IDS = (1, 2, 3)
+
+
+class Request:
+    """One transfer as the two schedulers see it: a room id, a prefill open and a decode open."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, world: World, room: int, decode: int, npages: int, rng: random.Random) -> None:
+        self.id = next(self._ids)
+        self.world = world
+        self.room = room
+        self.decode_index = decode
+        self.npages = npages
+        self.prefill = world.prefill_manager.open(room)
+        self.decode = world.decode_managers[decode].open(room)
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.src_aux: int | None = None
+        self.dst_aux: int | None = None
+        self.sent = 0
+        self.prefill_bootstrapped = False
+        self.decode_bootstrapped = False
+        self.expected = False
+        self.prefill_closed = False
+        self.decode_closed = False
+        # What this request's prefill sends: a value no other request uses.
+        self.pattern = float(self.id)
+        self.rng = rng
+
+    @property
+    def decode_backend(self) -> SimBackend:
+        return self.world.decodes[self.decode_index]
+
+    def __repr__(self) -> str:
+        return f"<Request {self.id} room={self.room} d{self.decode_index} {self.prefill.state.name}/{self.decode.state.name}>"
+
+
+class WireModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = World()
+        for endpoint in self.world.endpoints:
+            endpoint.defer_notices = True
+        self.requests: list[Request] = []
+        self.rng = random.Random(0)
+        self.free_src = set(range(PAGES))
+        self.free_dst = [set(range(PAGES)) for _ in self.world.decodes]
+        self.free_src_aux = set(range(AUX_SLOTS))
+        self.free_dst_aux = [set(range(AUX_SLOTS)) for _ in self.world.decodes]
+        self.closed_gens: set[int] = set()
+        self.forged = 0
+
+    # -- the schedulers -------------------------------------------------------------------------
+
+    def _live(self, side: str) -> set[int]:
+        if side == "prefill":
+            return {r.room for r in self.requests if not r.prefill_closed}
+        return set()
+
+    @rule(room=st.sampled_from(ROOM_IDS), decode=st.integers(0, 1), npages=st.integers(0, 3))
+    def new_request(self, room: int, decode: int, npages: int) -> None:
+        if room in self.world.prefill_manager or room in self.world.decode_managers[decode]:
+            return
+        if len(self.free_src) < npages or len(self.free_dst[decode]) < npages:
+            return
+        if not self.free_src_aux or not self.free_dst_aux[decode]:
+            return
+        request = Request(self.world, room, decode, npages, self.rng)
+        request.src = sorted(self.rng.sample(sorted(self.free_src), npages))
+        self.free_src.difference_update(request.src)
+        request.src_aux = min(self.free_src_aux)
+        self.free_src_aux.discard(request.src_aux)
+        pools = self.world.prefill_pools
+        for page in request.src:
+            pools.k[page] = request.pattern
+            pools.v[page] = -request.pattern
+        pools.aux[request.src_aux] = request.id % 250 + 1
+        self.requests.append(request)
+
+    @rule(data=st.data())
+    def retry(self, data: st.DataObject) -> None:
+        """The prefill gives up on a request and its room id is reused at once for another, on the other decode.
+
+        The old decode may still be about to claim the id: the case a room id
+        alone cannot tell apart (defect 1 of issue 11).
+        """
+        request = self._pick(data, lambda r: not r.prefill_closed)
+        if request is None:
+            return
+        request.prefill.abort("retried")
+        self.close_side(request, "prefill")
+        other = 1 - request.decode_index
+        self.new_request(request.room, other, request.npages)
+        retried = self.requests[-1]
+        if retried.room == request.room and retried is not request and not retried.prefill_bootstrapped:
+            retried.prefill_bootstrapped = True
+            self.world.prefill.bootstrap(retried.prefill, "sim://prefill")
+
+    def _pick(self, data: st.DataObject, predicate: Callable[[Request], bool]) -> Request | None:
+        choices = [r for r in self.requests if predicate(r)]
+        if not choices:
+            return None
+        return data.draw(st.sampled_from(choices))
+
+    @rule(data=st.data())
+    def bootstrap_prefill(self, data: st.DataObject) -> None:
+        request = self._pick(data, lambda r: not r.prefill_bootstrapped and not r.prefill_closed)
+        if request is None:
+            return
+        request.prefill_bootstrapped = True
+        self.world.prefill.bootstrap(request.prefill, "sim://prefill")
+
+    @rule(data=st.data())
+    def bootstrap_decode(self, data: st.DataObject) -> None:
+        request = self._pick(data, lambda r: not r.decode_bootstrapped and not r.decode_closed)
+        if request is None:
+            return
+        request.decode_bootstrapped = True
+        request.decode_backend.bootstrap(request.decode, "sim://prefill")
+
+    @rule(data=st.data())
+    def expect(self, data: st.DataObject, request: Request | None = None) -> None:
+        if request is None:
+            request = self._pick(
+                data,
+                lambda r: r.decode.state is KVPoll.WaitingForInput and not r.expected and not r.decode_closed,
+            )
+        if request is None:
+            return
+        free = self.free_dst[request.decode_index]
+        aux_free = self.free_dst_aux[request.decode_index]
+        if len(free) < request.npages or not aux_free:
+            return
+        request.dst = sorted(self.rng.sample(sorted(free), request.npages))
+        free.difference_update(request.dst)
+        request.dst_aux = min(aux_free)
+        aux_free.discard(request.dst_aux)
+        request.expected = True
+        request.decode_backend.expect(request.decode, request.dst, aux_index=request.dst_aux)
+
+    @rule(data=st.data(), size=st.integers(0, 2))
+    def send(self, data: st.DataObject, size: int, request: Request | None = None) -> None:
+        if request is None:
+            request = self._pick(
+                data,
+                lambda r: r.prefill.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                and not r.prefill_closed
+                and r.sent != -1,
+            )
+        if request is None:
+            return
+        chunk = request.src[request.sent : request.sent + size]
+        last = request.sent + len(chunk) >= request.npages
+        aux = request.src_aux if last else None
+        try:
+            self.world.prefill.send(request.prefill, chunk, last=last, aux_index=aux)
+        except kvfsm.KVFSMError:
+            pass  # a page count the decode does not expect (it claimed other pages): the room fails
+        request.sent = -1 if last else request.sent + len(chunk)
+
+    @staticmethod
+    def _rarely(data: st.DataObject) -> bool:
+        """True one time in four: keeps the destructive moves from drowning the transfers."""
+        return data.draw(st.integers(0, 3), label="rarely") == 0
+
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        """A scheduler moves one request along: its next bootstrap, expect or chunk."""
+        request = self._pick(data, lambda r: not r.prefill_closed and not r.decode_closed)
+        if request is not None:
+            self._advance(request, data)
+
+    def _advance(self, request: Request, data: st.DataObject | None) -> None:
+        if not request.prefill_bootstrapped:
+            request.prefill_bootstrapped = True
+            self.world.prefill.bootstrap(request.prefill, "sim://prefill")
+        elif not request.decode_bootstrapped:
+            request.decode_bootstrapped = True
+            request.decode_backend.bootstrap(request.decode, "sim://prefill")
+        elif not request.expected and request.decode.state is KVPoll.WaitingForInput:
+            self.expect(data, request)
+        elif request.prefill.state in (KVPoll.WaitingForInput, KVPoll.Transferring) and request.sent != -1:
+            self.send(data, request.npages, request)  # type: ignore[arg-type]
+
+    @rule(data=st.data(), side=st.sampled_from(["prefill", "decode"]))
+    def abort(self, data: st.DataObject, side: str) -> None:
+        if not self._rarely(data):
+            return
+        if side == "prefill":
+            request = self._pick(data, lambda r: not r.prefill_closed)
+            if request is not None:
+                request.prefill.abort("model abort")
+        else:
+            request = self._pick(data, lambda r: not r.decode_closed)
+            if request is not None:
+                request.decode.abort("model abort")
+
+    @rule(data=st.data(), side=st.sampled_from(["prefill", "decode"]))
+    def close(self, data: st.DataObject, side: str) -> None:
+        """Close a room; its pages go back to the pool only if it was release-safe (else they stay held)."""
+        if not self._rarely(data):
+            return
+        if side == "prefill":
+            request = self._pick(data, lambda r: not r.prefill_closed)
+        else:
+            request = self._pick(data, lambda r: not r.decode_closed)
+        if request is not None:
+            self.close_side(request, side)
+
+    def close_side(self, request: Request, side: str) -> None:
+        if side == "prefill":
+            safe = request.prefill.release_safe
+            request.prefill.close()
+            request.prefill_closed = True
+            if safe:
+                self.free_src.update(request.src)
+                if request.src_aux is not None:
+                    self.free_src_aux.add(request.src_aux)
+        else:
+            safe = request.decode.release_safe
+            record = request.decode_backend._recv_by_handle.get((request.room, request.decode.generation))
+            if record is not None:
+                self.closed_gens.add(record.gen)
+            request.decode.close()
+            request.decode_closed = True
+            if safe:
+                index = request.decode_index
+                self.free_dst[index].update(request.dst)
+                if request.dst_aux is not None:
+                    self.free_dst_aux[index].add(request.dst_aux)
+                pools = self.world.decode_pools[index]
+                for page in request.dst:
+                    pools.k[page] = 0.0
+                    pools.v[page] = 0.0
+                if request.dst_aux is not None:
+                    pools.aux[request.dst_aux] = 0
+
+    # -- the network, the engine, the clock -----------------------------------------------------------
+
+    @precondition(lambda self: bool(self.world.net.inflight))
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(0, len(self.world.net.inflight) - 1))
+        self.world.net.deliver(index)
+
+    @precondition(lambda self: bool(self.world.net.inflight))
+    @rule(data=st.data())
+    def duplicate(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(0, len(self.world.net.inflight) - 1))
+        self.world.net.inflight.append(self.world.net.inflight[index])
+
+    @precondition(lambda self: bool(self.world.net.inflight))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        if not self._rarely(data):
+            return
+        index = data.draw(st.integers(0, len(self.world.net.inflight) - 1))
+        self.world.net.inflight.pop(index)
+
+    @precondition(lambda self: bool(self.world.prefill.sim_engine.inflight))
+    @rule(data=st.data(), fail=st.booleans())
+    def engine_ends_a_write(self, data: st.DataObject, fail: bool) -> None:
+        fail = fail and self._rarely(data)
+        jobs = self.world.prefill.sim_engine.inflight
+        job = jobs[data.draw(st.integers(0, len(jobs) - 1))]
+        if fail:
+            job.fail()
+        else:
+            job.complete()
+
+    @rule()
+    def pump(self) -> None:
+        self.world.pump()
+
+    @rule(index=st.integers(0, 2))
+    def deliver_notices(self, index: int) -> None:
+        """The thread busy delivering a manager's notices gets to this backend's."""
+        self.world.endpoints[index].deliver_notices()
+
+    @rule()
+    def calm(self) -> None:
+        """A quiet moment: everything in flight arrives in order, every write lands."""
+        self.world.settle(rounds=3)
+
+    @rule(data=st.data(), seconds=st.sampled_from([0.5, 2.0, 30.0]))
+    def tick(self, data: st.DataObject, seconds: float) -> None:
+        if seconds > 2 and not self._rarely(data):
+            seconds = 0.5
+        self.world.clock.advance(seconds)
+        self.world.housekeeping()
+
+    # -- forged frames ---------------------------------------------------------------------------------
+
+    @rule(data=st.data(), kind=st.sampled_from(["wrong_key", "unknown_session", "wrong_gen", "unknown_room", "replay"]))
+    def forge(self, data: st.DataObject, kind: str) -> None:
+        frames = self._forged(data, kind)
+        if frames is None:
+            return
+        target, payload = frames
+        before = self._snapshot()
+        self.world.net.endpoints[target].receive(payload)
+        after = self._snapshot()
+        assert before == after, f"a forged frame ({kind}) changed a room: {before} -> {after}"
+        self.forged += 1
+
+    def _forged(self, data: st.DataObject, kind: str) -> tuple[str, list[bytes]] | None:
+        world = self.world
+        if kind == "replay":
+            # A frame already delivered, of a decode generation that is closed: stale by construction.
+            old = []
+            for addr, frames in world.net.delivered:
+                try:
+                    frame = wire.decode(frames)
+                except wire.MalformedFrame:
+                    continue
+                if "gen" in frame.fields and frame["gen"] in self.closed_gens:
+                    old.append((addr, frames))
+            return None if not old else data.draw(st.sampled_from(old))
+        sessions = [(endpoint, session) for endpoint in world.endpoints for session in endpoint.sessions.up()]
+        if not sessions:
+            return None
+        endpoint, session = data.draw(st.sampled_from(sessions))
+        peer = next((e for e in world.endpoints if e.address == session.addr), None)
+        if peer is None:
+            return None
+        auth = {"sid": session.peer_sid, "key": session.peer_key}
+        if kind == "wrong_key":
+            auth = {"sid": session.peer_sid, "key": "f" * 32}
+        elif kind == "unknown_session":
+            auth = {"sid": "0" * 16, "key": "f" * 32}
+        live = [r for r in self.requests if not r.decode_closed]
+        room = data.draw(st.sampled_from(ROOM_IDS)) if kind != "unknown_room" else 10**6
+        gen = data.draw(st.integers(1, 1 << 62))  # random: not any live generation in practice
+        for request in live:
+            record = request.decode_backend._recv_by_handle.get((request.room, request.decode.generation))
+            if record is not None and record.gen == gen:
+                return None
+        if kind in ("wrong_key", "unknown_session") and live:
+            victim = data.draw(st.sampled_from(live))
+            record = victim.decode_backend._recv_by_handle.get((victim.room, victim.decode.generation))
+            if record is not None:
+                room, gen = victim.room, record.gen
+        if endpoint.role is kvfsm.Role.SENDER:
+            message = data.draw(st.sampled_from(["ABORT", "ROOM"]))
+            fields: dict[str, Any] = {"room": room, "gen": gen}
+            if message == "ABORT":
+                fields.update(pgen=None, kind="aborted", message="forged")
+            else:
+                fields.update(pages=[0], aux=None)
+        else:
+            message = data.draw(st.sampled_from(["DONE", "CHUNK", "ABORT", "ABORT_ACK"]))
+            fields = {"room": room, "gen": gen, "pgen": 1}
+            if message in ("DONE", "CHUNK"):
+                fields["nbytes"] = 16
+            elif message == "ABORT":
+                fields.update(kind="aborted", message="forged")
+        # `endpoint` holds the session; the frame goes *to* it, as if its peer had sent it.
+        return endpoint.address, wire.encode(message, {**auth, **fields})
+
+    def _snapshot(self) -> list[Any]:
+        """Every room's state, gate and reason, and every wire record's state on every endpoint."""
+        rooms: list[Any] = []
+        for request in self.requests:
+            for handle in (request.prefill, request.decode):
+                rooms.append((request.id, handle.state, handle.closed or handle.release_safe, handle.reason))
+        for endpoint in self.world.endpoints:
+            for session in endpoint.sessions:
+                rooms.append((endpoint.address, session.sid, sorted((str(k), str(r.wire)) for k, r in session.records.items())))
+        prefill = self.world.prefill
+        rooms.append(sorted((str(room), str(slot.wire), len(slot.early), len(slot.aborts)) for room, slot in prefill._slots.items()))
+        rooms.append(prefill._work.qsize())
+        return rooms
+
+    # -- invariants ----------------------------------------------------------------------------------------
+
+    @invariant()
+    def success_means_every_byte_of_its_own_request(self) -> None:
+        for request in self.requests:
+            if request.decode.state is not KVPoll.Success or request.decode_closed:
+                continue
+            pools = self.world.decode_pools[request.decode_index]
+            for page in request.dst:
+                assert pools.k[page].eq(request.pattern).all(), (request, page, pools.k[page], self.requests)
+                assert pools.v[page].eq(-request.pattern).all(), (request, page, pools.v[page])
+            if request.dst_aux is not None:
+                assert pools.aux[request.dst_aux].eq(request.id % 250 + 1).all(), (request, pools.aux)
+            assert request.prefill.state is KVPoll.Success or request.prefill_closed, request
+
+    @invariant()
+    def no_failed_room_is_release_safe_under_a_write(self) -> None:
+        jobs = self.world.prefill.sim_engine.inflight
+        for request in self.requests:
+            if not request.decode_closed and request.decode.state is KVPoll.Failed and request.decode.release_safe:
+                pools = self.world.decode_pools[request.decode_index]
+                for low, high in pools.page_ranges(request.dst):
+                    for job in jobs:
+                        for start, end in job.destinations():
+                            assert end <= low or start >= high, (request, "decode released under a write", job)
+            if not request.prefill_closed and request.prefill.state is KVPoll.Failed and request.prefill.release_safe:
+                sources = self.world.prefill_pools.page_ranges(request.src)
+                for low, high in sources:
+                    for job in jobs:
+                        for src, _dst, length in job.writes:
+                            assert src + length <= low or src >= high, (request, "prefill released under a write")
+
+    def teardown(self) -> None:
+        world = self.world
+        try:
+            # Heal: the schedulers finish what they started, everything in flight arrives,
+            # every write lands, and time passes in steps the heartbeats keep up with
+            # until every deadline (60 s) has passed.
+            for _ in range(6):
+                for request in self.requests:
+                    if not (request.prefill_closed or request.decode_closed):
+                        self._advance(request, None)
+                world.settle()
+            for _ in range(140):
+                world.settle()
+                world.clock.advance(0.5)
+                world.housekeeping()
+            world.settle()
+            for request in self.requests:
+                for handle, closed in ((request.prefill, request.prefill_closed), (request.decode, request.decode_closed)):
+                    if not closed:
+                        assert handle.is_terminal, (request, "not terminal after healing")
+                if request.prefill_closed or request.decode_closed:
+                    continue
+                if request.decode.state is KVPoll.Success:
+                    assert request.prefill.state is KVPoll.Success, request
+                if request.prefill.state is KVPoll.Failed:
+                    assert request.decode.state is KVPoll.Failed, request
+            self.success_means_every_byte_of_its_own_request()
+            self.no_failed_room_is_release_safe_under_a_write()
+        finally:
+            for endpoint in world.endpoints:
+                endpoint.close()
+
+
+TestWireModel = WireModel.TestCase
+
+
+# -- the model catches the defects it exists for ---------------------------------------------------
+
+
+@contextmanager
+def patched(target: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(target, name)
+    setattr(target, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(target, name, original)
+
+
+_HUNT = settings(max_examples=1500, stateful_step_count=60, phases=[Phase.generate], deadline=None, database=None)
+
+
+def _model_fails() -> str:
+    with pytest.raises(AssertionError) as caught:
+        run_state_machine_as_test(WireModel, settings=_HUNT)
+    return str(caught.value)
+
+
+def test_the_model_catches_a_late_claim_bound_to_a_reused_room_id() -> None:
+    """Defect 1: a prefill that forgets a room id closed unclaimed binds the old decode's late ROOM."""
+
+    def forget_instead_of_holding(self: _remote_sender.SenderSide, slot: Any) -> bool:
+        return False
+
+    with patched(_remote_sender.SenderSide, "_holds_unclaimed", forget_instead_of_holding):
+        _model_fails()
+
+
+def test_the_model_catches_an_ack_for_writes_still_in_flight() -> None:
+    """Defect 2: a prefill that drops a closed room's claim with writes in flight ACKs at once."""
+
+    def drop_regardless(self: _remote_sender.SenderSide, claim: Any) -> None:
+        if claim.room_closed:
+            claim.session.records.pop((claim.room, claim.gen), None)
+            seen = self._seen.get(claim.session.sid)
+            if seen is not None:
+                seen.add((claim.room, claim.gen))
+
+    with patched(_remote_sender.SenderSide, "_drop_if_done", drop_regardless):
+        _model_fails()
+
+
+def test_the_model_catches_done_after_a_failed_write() -> None:
+    """Defect 3: a writer that leaves the stop to the notice and completes without checking the room."""
+
+    def fail_later(self: _remote_writer.WriterThread, claim: Any, message: str) -> None:
+        if claim.handle is not None:
+            claim.handle.fail(kvfsm.FailureReason(kvfsm.FailureKind.TRANSFER_ERROR, message))
+
+    def complete_unchecked(self: _remote_writer.WriterThread, claim: Any, chunk: Any, blob: bytes | None) -> None:
+        fields = claim.notice("DONE", nbytes=chunk.nbytes, blob=blob)
+        self._send_frame(claim.session, "DONE", fields, fields.pop("_blob"))
+
+    with (
+        patched(_remote_writer.WriterThread, "_write_failed", fail_later),
+        patched(_remote_writer.WriterThread, "_complete", complete_unchecked),
+    ):
+        _model_fails()
