@@ -293,9 +293,9 @@ class CompiledEngine:
 class TransitionsEngine(CompiledEngine):
     """Lets `transitions` itself run every event (the reference engine).
 
-    Validity is still decided from the compiled rows (the manager needs the
-    allowed events for its errors before anything runs); the state change
-  XX
+      Validity is still decided from the compiled rows (the manager needs the
+      allowed events for its errors before anything runs); the state change
+    XX
     """
 
     name = "transitions"

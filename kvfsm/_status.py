@@ -36,7 +36,17 @@ import attrs
 from ._deadlines import PhaseDeadlines
 from ._states import FailureKind, FailureReason, KVPoll, RoomId, Timeouts
 
-__all__ = ["ManagerStats", "StatusTable", "RoomRecord", "Hook", "ARM", "DISARM", "TABLE_NAMES", "status_hook", "inline_lines"]
+__all__ = [
+    "ManagerStats",
+    "StatusTable",
+    "RoomRecord",
+    "Hook",
+    "ARM",
+    "DISARM",
+    "TABLE_NAMES",
+    "status_hook",
+    "inline_lines",
+]
 
 
 @attrs.define(slots=True, eq=False)
