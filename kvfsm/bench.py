@@ -39,6 +39,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._cliargs import CommandError, output_path, positive_int
 from ._machine import build_machine
 from ._manager import TransferHandle, TransferManager
 from ._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
@@ -56,7 +57,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a goal is missed (default: report it, exit 0)"
     )
-    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="also write every figure as JSON to PATH (checked first)"
+    )
     parser.add_argument(
         "--rooms",
         metavar="N[,N...]",
@@ -66,17 +69,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only", metavar="SECTION[,...]", type=_sections, help=f"run only these sections ({', '.join(SECTIONS)})"
     )
-    parser.add_argument("--repeats", type=_positive, default=None, help="timing repeats (the minimum is kept)")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timing repeats (the minimum is kept)")
 
 
 def _sizes(text: str) -> list[int]:
@@ -564,7 +557,7 @@ def bench_reads(report: Report, quick: bool, repeats: int | None) -> None:
     # One status() call cannot get under its floor (a method call and a
     # clock read cost more than the lookup itself), so it has no goal; a
     # scheduler polling its rooms reads them all at once with poll_many.
-    report.line("status(room) vs dict lookup (no goal: see the floor)", f"{data['status_ratio']:.2f}x")
+    report.line("status(room) / dict lookup (no goal: floor above)", f"{data['status_ratio']:.2f}x")
     report.goal("handle.state vs dict lookup", data["state_ratio"], 2.0)
     # The scheduler's loop: every in-flight room, once per iteration.
     rooms = list(range(1_000))
@@ -864,6 +857,9 @@ def run(args: argparse.Namespace) -> int:
     sections = args.only or list(SECTIONS)
     data = run_benchmarks(quick=args.quick, sections=sections, sizes=args.rooms, repeats=args.repeats)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, default=str)
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=2, default=str)
+        except OSError as exc:  # checked before the run; the disk may still be full
+            raise CommandError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
     return 1 if args.strict and not all(goal["met"] for goal in data["goals"]) else 0

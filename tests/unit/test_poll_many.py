@@ -16,7 +16,7 @@ def test_states_come_back_in_the_order_asked() -> None:
     rooms[2].bootstrapped()
     rooms[2].transfer_started()
     rooms[3].abort("gone")
-    order = [9, 3, "b", 5, 3]
+    order: list[int | str] = [9, 3, "b", 5, 3]
     assert manager.poll_many(order) == [manager.status(room) for room in order]
     assert manager.poll_many(order) == [
         KVPoll.Failed,
