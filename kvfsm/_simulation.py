@@ -274,7 +274,7 @@ def print_summary(summary: dict[str, Any], out: TextIO) -> None:
 def interrupted_line(summary: dict[str, Any], planned: int) -> str:
     """One line on what an interrupted run did (`kvfsm simulate` prints it on Ctrl-C)."""
     finals = summary["final_states"]["receiver"]
-    states = ", ".join(f"{name} {count}" for name, count in sorted(finals.items())) or "none finished"
+    states = ", ".join(f"{name} {count:,}" for name, count in sorted(finals.items())) or "none finished"
     failed = [key.replace("_", " ") for key, value in summary["verification"].items() if value]
     verdict = "all checks passed so far" if not failed else "VERIFICATION FAILED: " + ", ".join(failed)
     return (

@@ -6,9 +6,20 @@ chosen backend (`--backend`, default `local`: real torch pages), posts the
 decode pages, sends the prefill pages in `--chunks` chunks (the last one
 possibly empty), waits for both sides to end, checks the data, waits until
 the pages are release-safe, frees them and closes the rooms. Aborts race the
-transfer at random points from either side; the local backend injects chunk
-failures and stalls (`--fail-rate`, `--stall-rate`), and stalled transfers
-end by their transferring deadline.
+transfer at random points from either side; some transfers fail before
+their last chunk (`--fail-rate`, a `TRANSFER_ERROR` on the prefill, the
+decode told its peer failed) and some senders stall (`--stall-rate`: they
+never send, and end by their deadline).
+
+Every random choice of a request (abort side and step, failure, stall,
+pages, data) is drawn by this harness from that request's own generator,
+the n-th request always getting the n-th seed of `--seed`; so a seeded run
+on the in-process backends ends the same way every time, except where a
+planned abort races the room's last copy (counted as `raced`, see
+`kvfsm._simulation`). Requests are made only as `--concurrency` workers
+take them, and their results folded into a `Tally` as they end, so memory
+does not grow with `--requests`; Ctrl-C lets the requests in flight end and
+returns the summary of what ran, marked `"interrupted": true`.
 
 At the end it prints a summary (final states, failure kinds, latency
 percentiles, throughput, bytes) and a verification block:
@@ -24,10 +35,11 @@ percentiles, throughput, bytes) and a verification block:
 The exit code is 1 when any check fails. `--inject-bug` breaks a run on
 purpose to show that the checks catch it.
 
-For other harnesses (the cross-process engines reuse this format):
-`build_summary(results, ...)` turns per-request `RequestResult`s plus
-extra check counts into the summary dict, `print_summary(summary, out)`
-renders it, and `summary["ok"]` is true iff every verification value is 0.
+For other harnesses (the cross-process engines reuse this format; it lives
+in `kvfsm._simulation`): `build_summary(results, ...)` turns per-request
+`RequestResult`s (or a `Tally` of them) plus extra check counts into the
+summary dict, `print_summary(summary, out)` renders it, and
+`summary["ok"]` is true iff every verification value is 0.
 `simulate(args)` runs the whole thing and returns that dict. The dict:
 
     {"backend": str, "requests": int, "elapsed_s": float,
@@ -37,6 +49,8 @@ renders it, and `summary["ok"]` is true iff every verification value is 0.
      "latency_s": {"p50", "p99", "mean", "max"}      # receiver, successes
      "throughput": {"bytes": int, "gb_per_s": float, "per_transfer_gb_per_s": {"p50", "p99"}},
      "pages_checked": int, "late_events": int, "sides_disagree": int,
+     "outcomes": {"digest": str, "raced": int} or None,   # None across processes
+     "interrupted": bool,                                 # `simulate` only
      "verification": {"pages_not_identical": 0, "rooms_left_open": 0,
                       "status_handle_mismatches": 0, "released_before_safe": 0},
      "ok": bool, "metrics": TransferMetrics.snapshot()}
