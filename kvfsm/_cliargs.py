@@ -47,12 +47,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _number(text: str) -> float:
+    """`text` as a float, NaN if it is not a number (every range check then fails)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def rate(text: str) -> float:
     """A probability in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a rate between 0 and 1; got {text!r}")
     return value
@@ -60,10 +65,7 @@ def rate(text: str) -> float:
 
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds; got {text!r}")
     return value

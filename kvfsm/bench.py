@@ -52,7 +52,9 @@ SECTIONS = ("lifecycle", "abort", "reads", "memory", "scale", "threads")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--quick", action="store_true", help="smaller sizes and fewer repeats: about 5 s (the full run: 20-45 s, 0.8 GB)"
+        "--quick",
+        action="store_true",
+        help="smaller sizes and fewer repeats: about 5 s (the full run: 20-45 s, 0.8 GB)",
     )
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a goal is missed (default: report it, exit 0)"

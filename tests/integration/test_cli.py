@@ -8,6 +8,8 @@ Subprocesses run the console entry point exactly as a shell would.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import select
 import signal
@@ -20,6 +22,7 @@ import pytest
 
 import kvfsm
 from kvfsm import bench
+from kvfsm._native_log import route_line
 from kvfsm.cli import main
 
 REPO = Path(kvfsm.__file__).resolve().parents[1]
@@ -194,3 +197,48 @@ def test_bench_quick_exits_zero_and_says_what_a_missed_goal_means(capsys: pytest
     assert "GOAL status(room)" not in out
     if "MISSED" in out:
         assert "not a failure of the bench" in out
+
+
+def test_native_log_lines_are_parsed_by_level() -> None:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("kvfsm.native")
+    handler = Keep(level=logging.DEBUG)
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    passthrough = io.StringIO()
+    try:
+        route_line("E1201 08:59:18.034448 11000 transfer_metadata.cpp:1098] Local segment descriptor not found\n")
+        route_line("E1201 08:59:18.034448 11000 tcp_transport.cpp:12] connect failed: refused\n")
+        route_line("I1201 08:59:18.034468 11000 tcp_transport.cpp:391] TcpTransport: listen on port 15067\n")
+        route_line("some other library's text\n", passthrough)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.DEBUG, "Local segment descriptor not found (transfer_metadata.cpp:1098)"),
+        (logging.ERROR, "connect failed: refused (tcp_transport.cpp:12)"),
+        (logging.INFO, "TcpTransport: listen on port 15067 (tcp_transport.cpp:391)"),
+    ]
+    assert passthrough.getvalue() == "some other library's text\n"
+
+
+def test_a_mooncake_simulate_prints_no_engine_log_lines_unless_asked() -> None:
+    from .remote_peer import engine_missing
+
+    pytest.importorskip("zmq", reason="pyzmq is needed for the control plane")
+    missing = engine_missing("mooncake")
+    if missing:
+        pytest.skip(missing)
+    # Before: about 20 glog lines on stderr per run, one of them an `E...`.
+    quiet = _kvfsm("simulate", "--backend", "mooncake", "--requests", "4", "--pages", "2", "--no-progress")
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr.strip() == ""
+    loud = _kvfsm("simulate", "-vv", "--backend", "mooncake", "--requests", "4", "--pages", "2", "--no-progress")
+    assert loud.returncode == 0, loud.stderr
+    assert "INFO kvfsm.native: " in loud.stderr and "(transfer_engine_impl.cpp:" in loud.stderr
