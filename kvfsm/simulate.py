@@ -8,8 +8,8 @@ possibly empty), waits for both sides to end, checks the data, waits until
 the pages are release-safe, frees them and closes the rooms. Aborts race the
 transfer at random points from either side; some transfers fail before
 their last chunk (`--fail-rate`, a `TRANSFER_ERROR` on the prefill, the
-decode told its peer failed) and some senders stall (`--stall-rate`: they
-never send, and end by their deadline).
+decode told its peer failed) and some transfers stall (`--stall-rate`: the
+last chunk is never sent, and the room ends by its deadline).
 
 Every random choice of a request (abort side and step, failure, stall,
 pages, data) is drawn by this harness from that request's own generator,
@@ -146,7 +146,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--stall-rate",
         type=rate,
         default=0.005,
-        help="fraction of transfers whose sender stalls until its deadline (default: %(default)s)",
+        help="fraction of transfers that stall (the last chunk never comes) until their deadline (default: %(default)s)",
     )
     parser.add_argument(
         "--transfer-timeout",
@@ -366,12 +366,16 @@ def _run_request(
         sb.bootstrap(send, sb.address)
         if not maybe_abort() and recv.poll() is KVPoll.WaitingForInput:
             rb.expect(recv, dst_pages, dst_aux)
-        if not maybe_abort() and send.poll() is KVPoll.WaitingForInput and not harness_stall:
+        if not maybe_abort() and send.poll() is KVPoll.WaitingForInput:
             parts = _split(src_pages, args.chunks)
             for index, part in enumerate(parts):
                 if index and maybe_abort():
                     break
                 last = index == len(parts) - 1
+                if harness_stall and last:
+                    # The last chunk never comes: the room ends by its
+                    # transferring deadline (waiting, with a single chunk).
+                    break
                 if harness_fail and last:
                     send.fail(FailureReason(FailureKind.TRANSFER_ERROR, "simulated transport error"))
                     recv.fail(FailureReason(FailureKind.PEER_FAILED, "sender failed", from_peer=True))
@@ -474,15 +478,18 @@ def _make_world(args: argparse.Namespace) -> _World:
     from .backends import KVPools, get_backend
 
     backend_cls = get_backend(args.backend)
-    # A stalled fake sender never sends: its waiting deadline ends it. Local
-    # receivers wait for their first chunk behind other rooms' chunks, so
-    # their waiting phase gets more room.
-    waiting = args.transfer_timeout if args.backend == "fake" else max(2.0, 4 * args.transfer_timeout)
-    timeouts = Timeouts(bootstrap=30.0, waiting=waiting, transferring=args.transfer_timeout, drain=30.0)
-    # A sender sends as soon as it is bootstrapped: a stalled one (never
-    # sends) ends by this deadline.
-    sender = TransferManager("sender", timeouts=attrs.evolve(timeouts, waiting=args.transfer_timeout))
-    receiver = TransferManager("receiver", timeouts=timeouts)
+    # The sender sends as soon as it is bootstrapped and holds the deadlines
+    # that end a stall: `--transfer-timeout` for its wait and its transfer.
+    # The receiver waits for its first chunk behind other rooms' chunks and
+    # hears of a stalled sender as PEER_FAILED, so its own deadlines are a
+    # longer backstop: a stall ends the same way whichever reaper runs first.
+    sender_timeouts = Timeouts(
+        bootstrap=30.0, waiting=args.transfer_timeout, transferring=args.transfer_timeout, drain=30.0
+    )
+    backstop = args.transfer_timeout if args.backend == "fake" else max(2.0, 4 * args.transfer_timeout)
+    receiver_timeouts = attrs.evolve(sender_timeouts, waiting=backstop, transferring=backstop)
+    sender = TransferManager("sender", timeouts=sender_timeouts)
+    receiver = TransferManager("receiver", timeouts=receiver_timeouts)
     pool_pages = args.concurrency * args.pages * 2 + 8
     slots = args.concurrency * 2 + 4
     tensors: dict[str, Any] = {}
