@@ -253,7 +253,9 @@ class _Side:
 
 def missing_engine(backend: str, module: str | None = None) -> MissingDependency:
     """The one-line error for `backend` when `module` (or one of its modules) cannot be imported."""
-    what = f"Python module {module!r}, which is not installed" if module else "modules that are not installed"
+    what = (
+        f"Python module {module!r}, which cannot be imported here" if module else "modules that cannot be imported here"
+    )
     return MissingDependency(f"--backend {backend} needs {what}: {ENGINE_INSTALL[backend]}")
 
 
@@ -268,23 +270,27 @@ def _check_engine(backend: str) -> None:
             raise missing_engine(backend, module)
 
 
+def _missing_module(exc: BaseException) -> str | None:
+    """The module an import failure behind `exc` names ("" if unnamed), or None if it is no import failure."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ImportError):
+            return cause.name or ""
+        cause = cause.__cause__
+    return None
+
+
 def _child(role: str, settings: dict[str, Any], conn: Connection) -> None:
     native = capture_native_stderr()  # Mooncake's glog lines, into logging
     logging.basicConfig(level=settings["log_level"], format=f"[{role}] %(levelname)s %(name)s: %(message)s")
     try:
         try:
             side = _Side(role, settings)
-        except ImportError as exc:
-            conn.send(("missing", exc.name or ""))
-            return
         except Exception as exc:
-            from .backends.base import BackendError
-
-            if not isinstance(exc, BackendError):
+            module = _missing_module(exc)
+            if module is None:
                 raise
-            if not isinstance(exc.__cause__, ImportError):
-                raise
-            conn.send(("missing", exc.__cause__.name or ""))
+            conn.send(("missing", module))
             return
         conn.send(("address", side.backend.address))
         _go, prefill_address = conn.recv()
