@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvfsm import FailureKind, FailureReason, KVPoll, RoomId, Timeouts
-from kvfsm import _status
+from kvfsm import FailureKind, FailureReason, KVPoll, RoomId, Timeouts, _status
 from kvfsm._status import ARM, StatusTable, inline_lines, status_hook
 
 
