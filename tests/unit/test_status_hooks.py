@@ -82,7 +82,7 @@ def test_a_hook_is_compiled_from_its_lines_only() -> None:
     assert "live[room.state] += 2" in source and "table.deadlines.arm(room, room.state, now)" in source
     table = StatusTable(Timeouts(bootstrap=1.0))
     record = _Record(table, 1, KVPoll.Bootstrapping)
-    hook(record, 3.0, None)  # type: ignore[arg-type]
+    hook(record, 3.0, None)
     assert record.entered_at == 3.0
     assert table.live[KVPoll.Bootstrapping] == 2
     assert table.deadlines.next_due == 4.0
