@@ -9,10 +9,9 @@ Every message names what was expected and what arrived.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ._states import FailureReason, KVPoll, RoomId
+from ._root_errors import ConfigError, KVFSMError
+from ._states import FailureReason, KVPoll, RoomId
 
 __all__ = [
     "KVFSMError",
@@ -24,14 +23,6 @@ __all__ = [
     "RoomNotFailed",
     "InvalidRoomId",
 ]
-
-
-class KVFSMError(Exception):
-    """Root of every error kvfsm raises on purpose."""
-
-
-class ConfigError(KVFSMError, ValueError):
-    """A setting (role, timeout, interval, ...) has a value that cannot work."""
 
 
 class KVTransferError(KVFSMError, RuntimeError):

@@ -26,15 +26,32 @@ which states accept which event, and what each step does, is read from the
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ._machine import CompiledEngine, compile_source, indent
-from ._states import MAX_REASON_CHARS, FailureKind, FailureReason, KVPoll, bounded_message
+from ._states import MAX_REASON_CHARS, FailureKind, FailureReason, KVPoll, Role, bounded_message
 
-if TYPE_CHECKING:
-    from ._manager import TransferHandle, TransferManager
+__all__ = ["handle_class", "new_reason", "FastPathHost"]
 
-__all__ = ["handle_class", "new_reason"]
+
+class FastPathHost(Protocol):
+    """What the generated methods use of their manager (`TransferManager` has it).
+
+    Declared here so that this module, which the manager imports, needs
+    nothing from the manager's module.
+    """
+
+    role: Role
+    _lock: threading.Lock
+    _clock: Callable[[], float]
+    _observers: tuple[Any, ...]
+
+    def _log_failure(self, handle: Any, reason: FailureReason, /) -> None: ...
+
+
+H = TypeVar("H", bound=type)
 
 _new_object = object.__new__
 # attrs' frozen slotted class: its fields are slot descriptors we may set once.
@@ -152,7 +169,7 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
     return lines
 
 
-def handle_class(base: type[TransferHandle], manager: TransferManager, engine: CompiledEngine) -> type[TransferHandle]:
+def handle_class(base: H, manager: FastPathHost, engine: CompiledEngine) -> H:
     """A subclass of `base` whose event methods run `engine`'s steps inline."""
     namespace: dict[str, Any] = engine.namespace
     logger = logging.getLogger("kvfsm")
@@ -186,4 +203,4 @@ def handle_class(base: type[TransferHandle], manager: TransferManager, engine: C
     cls = type(
         base.__name__, (base,), {"__slots__": (), "__module__": base.__module__, "_fast_source": text, **methods}
     )
-    return cls
+    return cls  # type: ignore[return-value]

@@ -12,8 +12,8 @@ attaches ~20 methods to every model) and no machine is built per room
 * `CompiledEngine` (the default) reads the machine's events once into a
   list per event indexed by `KVPoll` value: each cell is a `Step` holding
   the exit hooks, the destination and the entry hooks. For each step it
-  generates one function from the hooks' `@inline` bodies (see
-  `_status.py`), specialised for one manager's table: exit hooks, the
+  generates one function from the hooks' source lines (see
+  `_status.status_hook`), specialised for one manager's table: exit hooks, the
   state change and entry hooks in the order `transitions` runs them, with
   no call per hook and no lookup of the table. The manager pastes the same
   lines into its handles' event methods (`_fastpath.py`).
@@ -269,9 +269,9 @@ class CompiledEngine:
         self.retire: StepRun = self.namespace["retire"]
 
     def _hook_lines(self, hook: Hook, state: KVPoll) -> list[str]:
-        """A hook's `@inline` lines, or a plain call for a callback without them.
+        """A hook's source lines, or a plain call for a callback without them.
 
-        A callback someone added to the machine without `@inline` still runs,
+        A callback someone added to the machine (not made by `status_hook`) still runs,
         in its place in the order, just not pasted in. Names follow the order
         callbacks are met, so managers of one machine generate the same source.
         """
@@ -293,10 +293,9 @@ class CompiledEngine:
 class TransitionsEngine(CompiledEngine):
     """Lets `transitions` itself run every event (the reference engine).
 
-    Validity is still decided from the compiled rows (the manager needs the
-    allowed events for its errors before anything runs); the state change
-    and its callbacks are `transitions`' own, calling the hooks' plain
-    Python bodies rather than their inlined lines.
+      Validity is still decided from the compiled rows (the manager needs the
+      allowed events for its errors before anything runs); the state change
+    XX
     """
 
     name = "transitions"

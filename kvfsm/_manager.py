@@ -44,7 +44,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import NoReturn, cast
 
@@ -344,6 +344,21 @@ class TransferManager:
             return self._status[room]
         except KeyError:
             raise self._unknown(room) from None
+
+    def poll_many(self, rooms: Iterable[RoomId]) -> list[KVPoll]:
+        """The states of `rooms`, in order: `status()` for many rooms, one clock read.
+
+        What a scheduler calls once per iteration for its in-flight rooms.
+        Due deadlines are enforced first, exactly as `status()` does (one
+        clock read for the whole batch); `UnknownRoom` if any room is not open.
+        """
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()
+        status = self._status
+        try:
+            return [status[room] for room in rooms]
+        except KeyError as exc:
+            raise self._unknown(exc.args[0]) from None
 
     def get(self, room: RoomId) -> TransferHandle:
         """The handle of the open room; `UnknownRoom` if not open."""

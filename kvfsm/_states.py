@@ -19,6 +19,8 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from ._root_errors import ConfigError
+
 __all__ = [
     "RoomId",
     "MIN_INT_ROOM_ID",
@@ -85,9 +87,6 @@ class Role(str, enum.Enum):
                 return cls(value.lower())
             except ValueError:
                 pass
-        # Imported here: _errors imports this module for KVPoll in messages.
-        from ._errors import ConfigError
-
         allowed = ", ".join(repr(r.value) for r in cls)
         raise ConfigError(f"role must be a kvfsm.Role or one of {allowed}; got {value!r}")
 
@@ -154,8 +153,6 @@ class FailureReason:
 
 def _seconds_or_none(name: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
     def check(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
-        from ._errors import ConfigError
-
         if value is None:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -12,27 +12,41 @@ clock reading of the event, and the `FailureReason` for events that fail a
 room (None otherwise). The machine passes them as trigger arguments, so
 both engines call exactly these functions with exactly these values.
 
-Each hook also carries its body as a few lines of source (`@inline`). The
+Each hook is written once, as a few lines of source (`status_hook`). The
 compiled engine reads the machine's callbacks, takes these lines from each
 and pastes them, specialised for one state and one table, into a single
 generated function per transition: no call per hook, no lookups of
-`room._table`, no branch on a phase without a deadline. Body and lines sit
-next to each other so they are edited together, and the engine-equivalence
-property test (tests/property) proves the two give identical traces and
-identical status-table writes.
+`room._table`, no branch on a phase without a deadline. The callable hook
+that `transitions` runs (the reference engine) is compiled from the very
+same lines, with the state read from the room and the table's objects
+looked up through `room._table`; so a change to a hook is made once, and
+the engine-equivalence property test (tests/property) proves that both
+ways of running the lines give identical traces and status-table writes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from operator import attrgetter
+from typing import Any, Protocol, cast
 
 import attrs
 
 from ._deadlines import PhaseDeadlines
 from ._states import FailureKind, FailureReason, KVPoll, RoomId, Timeouts
 
-__all__ = ["ManagerStats", "StatusTable", "RoomRecord", "Hook", "ARM", "DISARM", "inline", "inline_lines"]
+__all__ = [
+    "ManagerStats",
+    "StatusTable",
+    "RoomRecord",
+    "Hook",
+    "ARM",
+    "DISARM",
+    "TABLE_NAMES",
+    "status_hook",
+    "inline_lines",
+]
 
 
 @attrs.define(slots=True, eq=False)
@@ -80,30 +94,56 @@ class Hook(Protocol):
 ARM = "<arm deadline>"
 DISARM = "<disarm deadline>"
 
-H = TypeVar("H", bound=Hook)
+#: The names hook lines may use for the table's objects: name -> path from the table.
+TABLE_NAMES: dict[str, str] = {
+    "status": "status",
+    "live": "live",
+    "stats": "stats",
+    "final_states": "stats.final_states",
+    "failure_kinds": "stats.failure_kinds",
+}
 
 
-def inline(*lines: str) -> Callable[[H], H]:
-    """Attach a hook's body as source lines the compiled engine can paste in.
+def status_hook(name: str, doc: str, *lines: str) -> Hook:
+    """A hook written once, as source lines; returns the callable made from them.
 
     The lines see `room`, `now`, `reason` (the hook's arguments) and the
-    names of `StatusTable.inline_names()`; `{state}` is the state the hook
-    runs for (a name bound to the `KVPoll` member) and `{index}` its value.
-    A line `ARM` / `DISARM` becomes that phase's deadline bookkeeping.
+    names of `TABLE_NAMES`; `{state}` is the state the hook runs for and
+    `{index}` its value; a line `ARM` / `DISARM` is that phase's deadline
+    bookkeeping. The compiled engine pastes the lines in specialised for one
+    state and one table (`inline_lines`); the callable returned here runs
+    them for any room, reading the state from `room.state` (the new state
+    in an on-enter hook, the old one in an on-exit hook, as `transitions`
+    calls them) and the table from `room._table`.
     """
-
-    def attach(hook: H) -> H:
-        hook.__kvfsm_inline__ = lines  # type: ignore[attr-defined]
-        return hook
-
-    return attach
+    body: list[str] = []
+    for line in lines:
+        if line == ARM:
+            body.append("table.deadlines.arm(room, room.state, now)")
+        elif line == DISARM:
+            body.append("table.deadlines.disarm(room, room.state)")
+        else:
+            body.append(line.format(state="room.state", index="room.state"))
+    text = "\n".join(body)
+    prologue = [f"{local} = table.{path}" for local, path in TABLE_NAMES.items() if re.search(rf"\b{local}\b", text)]
+    if "table." in text or prologue:
+        prologue.insert(0, "table = room._table")
+    source = "\n".join([f"def {name}(room, now, reason, /):", *(f"    {line}" for line in prologue + body)]) + "\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<kvfsm status hook {name}>", "exec"), namespace)
+    hook = namespace[name]
+    hook.__doc__ = doc
+    hook.__module__ = __name__
+    hook.__kvfsm_inline__ = lines
+    hook.__kvfsm_source__ = source
+    return cast(Hook, hook)
 
 
 def inline_lines(hook: object, state: KVPoll, table: StatusTable) -> list[str]:
-    """`hook` running for `state` on `table`, as source lines (see `inline`)."""
+    """`hook` running for `state` on `table`, as source lines (see `status_hook`)."""
     template: tuple[str, ...] | None = getattr(hook, "__kvfsm_inline__", None)
     if template is None:
-        raise NotImplementedError(f"hook {hook!r} has no @inline body; the compiled engine cannot run it")
+        raise NotImplementedError(f"hook {hook!r} was not made by status_hook; the compiled engine cannot inline it")
     lines: list[str] = []
     for line in template:
         if line == ARM:
@@ -132,95 +172,67 @@ class StatusTable:
         self.stats = ManagerStats()
 
     def inline_names(self) -> dict[str, Any]:
-        """What `@inline` lines refer to, bound to this table's objects."""
+        """What hook lines refer to, bound to this table's objects."""
         names: dict[str, Any] = {state.name: state for state in KVPoll}
-        names.update(
-            status=self.status,
-            live=self.live,
-            stats=self.stats,
-            final_states=self.stats.final_states,
-            failure_kinds=self.stats.failure_kinds,
-        )
+        names.update({local: attrgetter(path)(self) for local, path in TABLE_NAMES.items()})
         names.update(self.deadlines.inline_names())
         return names
 
 
-_SUCCESS, _FAILED = KVPoll.Success, KVPoll.Failed
-
-
-def _enter(room: RoomRecord, now: float) -> StatusTable:
-    table = room._table
-    state = room.state
-    table.status[room.room] = state
-    table.live[state] += 1
-    room.entered_at = now
-    return table
-
-
 _ENTER = ("status[room.room] = {state}", "live[{index}] += 1", "room.entered_at = now")
 
-
-@inline(*_ENTER, ARM)
-def enter_phase(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
-    """Entering Bootstrapping or WaitingForInput: sync status, arm the deadline."""
-    _enter(room, now).deadlines.arm(room, room.state, now)
-
-
-@inline("room.transfer_started_at = now", *_ENTER, ARM)
-def enter_transferring(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
-    """Entering Transferring: also the start of the transfer-latency window."""
-    room.transfer_started_at = now
-    _enter(room, now).deadlines.arm(room, room.state, now)
-
-
-@inline("live[{index}] -= 1", DISARM)
-def exit_phase(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
-    """Leaving a non-terminal state: it no longer counts, its deadline is off."""
-    table = room._table
-    table.live[room.state] -= 1
-    table.deadlines.disarm(room, room.state)
-
-
-@inline("room.finished_at = now", *_ENTER, "final_states[{state}] += 1")
-def enter_success(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
-    room.finished_at = now
-    _enter(room, now).stats.final_states[_SUCCESS] += 1
-
-
-@inline("room.reason = reason")
-def record_failure(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
+enter_phase = status_hook(
+    "enter_phase",
+    "Entering Bootstrapping or WaitingForInput: sync status, arm the deadline.",
+    *_ENTER,
+    ARM,
+)
+enter_transferring = status_hook(
+    "enter_transferring",
+    "Entering Transferring: also the start of the transfer-latency window.",
+    "room.transfer_started_at = now",
+    *_ENTER,
+    ARM,
+)
+exit_phase = status_hook(
+    "exit_phase",
+    "Leaving a non-terminal state: it no longer counts, its deadline is off.",
+    "live[{index}] -= 1",
+    DISARM,
+)
+enter_success = status_hook(
+    "enter_success",
+    "Entering Success: the room is finished and counted.",
+    "room.finished_at = now",
+    *_ENTER,
+    "final_states[{state}] += 1",
+)
+record_failure = status_hook(
+    "record_failure",
     """Before a room enters Failed (a `before` callback): record why.
 
     It runs before the state changes so that a reader who sees `Failed`
     without taking the manager's lock also sees the reason.
-    """
-    room.reason = reason
-
-
-@inline(
+    """,
+    "room.reason = reason",
+)
+enter_failed = status_hook(
+    "enter_failed",
+    "Entering Failed: finished, counted by final state and failure kind (the manager always gives a reason).",
     "room.finished_at = now",
     *_ENTER,
     "final_states[{state}] += 1",
     "failure_kinds[reason.kind] += 1",
 )
-def enter_failed(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
-    if reason is None:  # pragma: no cover - the manager always supplies one
-        raise AssertionError(f"room {room.room!r} entered Failed without a FailureReason")
-    room.finished_at = now
-    stats = _enter(room, now).stats
-    stats.final_states[_FAILED] += 1
-    stats.failure_kinds[reason.kind] += 1
-
-
-@inline("del status[room.room]", "live[room.state] -= 1", "stats.closed += 1", "room.reason = None")
-def retire(room: RoomRecord, now: float, reason: FailureReason | None, /) -> None:
+retire = status_hook(
+    "retire",
     """Forget a closed terminal room: the table no longer lists it (rule 4).
 
     Not a machine hook (closing is not a state change) but a writer of the
     table all the same, so it lives here with the others.
-    """
-    table = room._table
-    del table.status[room.room]
-    table.live[room.state] -= 1
-    table.stats.closed += 1
-    room.reason = None
+    """,
+    "del status[room.room]",
+    "live[room.state] -= 1",
+    "stats.closed += 1",
+    "room.reason = None",
+)

@@ -43,7 +43,8 @@ from transitions import Machine
 from transitions.extensions.diagrams import GraphMachine
 from transitions.extensions.diagrams_mermaid import Graph as _MermaidGraph
 
-from ._errors import ConfigError, KVFSMError
+from ._cliargs import CommandError, MissingDependency, UsageError, output_path
+from ._errors import ConfigError
 from ._machine import build_machine
 from ._states import KVPoll, Role
 
@@ -58,6 +59,7 @@ __all__ = [
     "render",
     "render_text",
     "check",
+    "role_of",
     "format_for_path",
     "parse_state",
     "configure",
@@ -80,7 +82,7 @@ _START_NODE = "__start__"
 _END_NODE = "__end__"
 
 
-class GraphvizMissing(KVFSMError, RuntimeError):
+class GraphvizMissing(MissingDependency):
     """A format needs graphviz (the Python package or Debian's `dot` program) and it is absent."""
 
 
@@ -324,8 +326,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--role",
         choices=[r.value for r in Role],
-        default=Role.SENDER.value,
-        help="whose lifecycle to draw (default: %(default)s)",
+        default=None,
+        help="whose lifecycle to draw (default: sender; with --check, the role the file's title names)",
     )
     parser.add_argument(
         "--format",
@@ -335,7 +337,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "default: from the --output/--check file name, else mermaid",
     )
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--output", "-o", metavar="PATH", help="write here (default: stdout, text formats only)")
+    target.add_argument(
+        "--output", "-o", metavar="PATH", type=output_path, help="write here (default: stdout, text formats only)"
+    )
     target.add_argument(
         "--check",
         metavar="PATH",
@@ -356,18 +360,53 @@ def _state_argument(text: str) -> KVPoll:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _command_line(args: argparse.Namespace, fmt: str, path: str) -> str:
-    parts = ["kvfsm diagram", f"--role {args.role}", f"--format {fmt}"]
+def _command_line(args: argparse.Namespace, fmt: str, path: str, role: str | None = None) -> str:
+    parts = ["kvfsm diagram", f"--role {role or args.role}", f"--format {fmt}"]
     if args.highlight is not None:
         parts.append(f"--highlight {args.highlight.name}")
     parts.append(f"--output {path}")
     return " ".join(parts)
 
 
+def role_of(path: str | Path, fmt: str | None = None) -> Role | None:
+    """The role whose diagram the file at `path` holds, or None if it cannot tell.
+
+    Read from the title every rendering carries (`kvfsm receiver lifecycle`);
+    a file without a readable title (png) is matched against each role's
+    rendering. None when the file is missing or matches neither role.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    named = [role for role in Role if f"kvfsm {role.value} lifecycle".encode() in data]
+    if len(named) == 1:
+        return named[0]
+    fmt = fmt or format_for_path(path) or "mermaid"
+    matching = [role for role in Role if render(role, fmt) == data]
+    return matching[0] if len(matching) == 1 else None
+
+
 def run(args: argparse.Namespace) -> int:
     path = args.check or args.output
     fmt = args.format or (format_for_path(path) if path else None) or "mermaid"
     try:
+        if args.role is None and args.check and not Path(args.check).exists():
+            # Nothing to read the role from: say so, and offer both commands.
+            sys.stderr.write(
+                f"{args.check} does not exist ({fmt}); create it with one of:\n"
+                + "".join(f"  {_command_line(args, fmt, args.check, role.value)}\n" for role in Role)
+            )
+            return 1
+        if args.role is None:
+            inferred = role_of(args.check, fmt) if args.check else Role.SENDER
+            if inferred is None:
+                raise UsageError(
+                    f"--check {args.check}: cannot tell whose diagram the file holds (its title names "
+                    f"neither 'kvfsm sender lifecycle' nor 'kvfsm receiver lifecycle'): pass --role"
+                )
+            args.role = inferred.value
         if args.check:
             result = check(args.check, args.role, fmt, highlight=args.highlight)
             stream = sys.stdout if result.up_to_date else sys.stderr
@@ -384,5 +423,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(data.decode("utf-8"))
         sys.stdout.flush()
     else:
-        Path(args.output).write_bytes(data)
+        try:
+            Path(args.output).write_bytes(data)
+        except OSError as exc:  # checked before rendering; the disk may still be full
+            raise CommandError(f"cannot write --output {args.output}: {exc.strerror or exc}") from None
     return 0

@@ -6,9 +6,20 @@ chosen backend (`--backend`, default `local`: real torch pages), posts the
 decode pages, sends the prefill pages in `--chunks` chunks (the last one
 possibly empty), waits for both sides to end, checks the data, waits until
 the pages are release-safe, frees them and closes the rooms. Aborts race the
-transfer at random points from either side; the local backend injects chunk
-failures and stalls (`--fail-rate`, `--stall-rate`), and stalled transfers
-end by their transferring deadline.
+transfer at random points from either side; some transfers fail before
+their last chunk (`--fail-rate`, a `TRANSFER_ERROR` on the prefill, the
+decode told its peer failed) and some transfers stall (`--stall-rate`: the
+last chunk is never sent, and the room ends by its deadline).
+
+Every random choice of a request (abort side and step, failure, stall,
+pages, data) is drawn by this harness from that request's own generator,
+the n-th request always getting the n-th seed of `--seed`; so a seeded run
+on the in-process backends ends the same way every time, except where a
+planned abort races the room's last copy (counted as `raced`, see
+`kvfsm._simulation`). Requests are made only as `--concurrency` workers
+take them, and their results folded into a `Tally` as they end, so memory
+does not grow with `--requests`; Ctrl-C lets the requests in flight end and
+returns the summary of what ran, marked `"interrupted": true`.
 
 At the end it prints a summary (final states, failure kinds, latency
 percentiles, throughput, bytes) and a verification block:
@@ -24,10 +35,11 @@ percentiles, throughput, bytes) and a verification block:
 The exit code is 1 when any check fails. `--inject-bug` breaks a run on
 purpose to show that the checks catch it.
 
-For other harnesses (the cross-process engines reuse this format):
-`build_summary(results, ...)` turns per-request `RequestResult`s plus
-extra check counts into the summary dict, `print_summary(summary, out)`
-renders it, and `summary["ok"]` is true iff every verification value is 0.
+For other harnesses (the cross-process engines reuse this format; it lives
+in `kvfsm._simulation`): `build_summary(results, ...)` turns per-request
+`RequestResult`s (or a `Tally` of them) plus extra check counts into the
+summary dict, `print_summary(summary, out)` renders it, and
+`summary["ok"]` is true iff every verification value is 0.
 `simulate(args)` runs the whole thing and returns that dict. The dict:
 
     {"backend": str, "requests": int, "elapsed_s": float,
@@ -37,6 +49,8 @@ renders it, and `summary["ok"]` is true iff every verification value is 0.
      "latency_s": {"p50", "p99", "mean", "max"}      # receiver, successes
      "throughput": {"bytes": int, "gb_per_s": float, "per_transfer_gb_per_s": {"p50", "p99"}},
      "pages_checked": int, "late_events": int, "sides_disagree": int,
+     "outcomes": {"digest": str, "raced": int} or None,   # None across processes
+     "interrupted": bool,                                 # `simulate` only
      "verification": {"pages_not_identical": 0, "rooms_left_open": 0,
                       "status_handle_mismatches": 0, "released_before_safe": 0},
      "ok": bool, "metrics": TransferMetrics.snapshot()}
@@ -45,22 +59,31 @@ renders it, and `summary["ok"]` is true iff every verification value is 0.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from ._cliargs import UsageError, output_path, positive_int, positive_seconds, rate
 from ._manager import TransferHandle, TransferManager
 from ._observe import StateChange
+from ._simulation import (
+    REMOTE_BACKENDS,
+    VERIFICATION_CHECKS,
+    PagePool,
+    RequestResult,
+    Tally,
+    build_summary,
+    interrupted_line,
+    print_summary,
+    write_json,
+)
 from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Timeouts
-from .metrics import TransferMetrics, percentiles
+from .metrics import TransferMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -72,14 +95,14 @@ __all__ = [
     "configure",
     "run",
     "simulate",
+    "check_args",
+    "default_args",
     "RequestResult",
     "build_summary",
     "print_summary",
     "VERIFICATION_CHECKS",
 ]
 
-#: The verification block's keys; each must be 0 for the run to pass.
-VERIFICATION_CHECKS = ("pages_not_identical", "rooms_left_open", "status_handle_mismatches", "released_before_safe")
 BUGS = ("none", "corrupt-page", "leave-open", "early-release")
 LAYERS = 2
 
@@ -90,44 +113,58 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=sorted(BACKENDS), default="local", help="transfer engine (default: %(default)s)"
     )
-    parser.add_argument("--requests", type=_positive_int, default=1000, help="transfers to run (default: %(default)s)")
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        default=1000,
+        help="transfers to run, made one at a time as others finish: any number fits in memory (default: %(default)s)",
+    )
     parser.add_argument(
         "--page-size",
-        type=_positive_int,
+        type=positive_int,
         default=16384,
-        help="bytes of one page over all layers' K and V (default: %(default)s)",
+        help="bytes of one page over all layers' K and V; a multiple of 8 (16 for mooncake and nixl) "
+        "(default: %(default)s)",
     )
-    parser.add_argument("--pages", type=_positive_int, default=8, help="KV pages per request (default: %(default)s)")
+    parser.add_argument("--pages", type=positive_int, default=8, help="KV pages per request (default: %(default)s)")
     parser.add_argument(
         "--chunks",
-        type=_positive_int,
+        type=positive_int,
         default=3,
         help="send() calls per request, the last flagged (default: %(default)s)",
     )
     parser.add_argument(
-        "--concurrency", type=_positive_int, default=8, help="requests in flight at once (default: %(default)s)"
+        "--concurrency", type=positive_int, default=8, help="requests in flight at once (default: %(default)s)"
     )
     parser.add_argument(
-        "--abort-rate", type=_rate, default=0.05, help="fraction of requests aborted by one side (default: %(default)s)"
+        "--abort-rate", type=rate, default=0.05, help="fraction of requests aborted by one side (default: %(default)s)"
     )
     parser.add_argument(
-        "--fail-rate", type=_rate, default=0.01, help="probability that a chunk fails (default: %(default)s)"
+        "--fail-rate", type=rate, default=0.01, help="probability that a chunk fails (default: %(default)s)"
     )
     parser.add_argument(
         "--stall-rate",
-        type=_rate,
+        type=rate,
         default=0.005,
-        help="fraction of transfers that stall until their deadline (default: %(default)s)",
+        help="fraction of transfers that stall (the last chunk never comes) until their deadline (default: %(default)s)",
     )
     parser.add_argument(
         "--transfer-timeout",
-        type=float,
+        type=positive_seconds,
         default=0.5,
-        help="seconds a room may stay Transferring (ends stalls; default: %(default)s)",
+        help="seconds a room may stay Transferring, and a sender may wait to send (ends stalls; default: %(default)s)",
     )
-    parser.add_argument("--workers", type=_positive_int, default=2, help="copy threads of the local backend")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+    parser.add_argument("--workers", type=positive_int, default=2, help="copy threads of the local backend")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="fixes every request's plan (aborts, failures, stalls, pages, data); on fake and local the "
+        "outcomes too, except an abort that races a last copy (see 'outcome digest') (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="also write the summary as JSON to PATH (checked first)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     parser.add_argument(
         "--inject-bug",
@@ -137,22 +174,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a rate between 0 and 1, got {text}")
-    return value
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, options that cannot work together (`UsageError`)."""
+    if args.backend in REMOTE_BACKENDS:
+        multiple = LAYERS * 2 * 4  # float32 K and V pages in both processes
+        if args.inject_bug != "none":
+            raise UsageError(f"--inject-bug runs on the in-process backends only, not on {args.backend!r}")
+    else:
+        multiple = 2 * LAYERS * 2  # bfloat16 K and V
+    if args.page_size % multiple:
+        raise UsageError(
+            f"--page-size must be a multiple of {multiple} bytes for --backend {args.backend}; got {args.page_size}"
+        )
 
 
 class _Progress:
-    """A one-line progress bar on stderr (a line every 2 s when not a terminal)."""
+    """A one-line progress bar on stderr (a line every 2 s when not a terminal), drawn from the start."""
 
     def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
         self.total, self.stream, self.enabled = total, stream, enabled
@@ -162,6 +199,12 @@ class _Progress:
         self._next_line = 0.0
         self._start = time.monotonic()
 
+    def begin(self) -> None:
+        """Draw the bar at 0 before the first request ends (a long run shows it is alive)."""
+        if self.enabled:
+            with self._lock:
+                self._draw(time.monotonic())
+
     def step(self) -> None:
         with self._lock:
             self.done += 1
@@ -169,53 +212,16 @@ class _Progress:
                 return
             now = time.monotonic()
             if self.done == self.total or now >= self._next_line:
-                self._next_line = now + (0.1 if self._tty else 2.0)
-                filled = int(30 * self.done / self.total)
-                bar = "#" * filled + "-" * (30 - filled)
-                rate = self.done / max(now - self._start, 1e-9)
-                end = "\r" if self._tty and self.done < self.total else "\n"
-                self.stream.write(f"simulate [{bar}] {self.done}/{self.total} {rate:.0f} req/s{end}")
-                self.stream.flush()
+                self._draw(now)
 
-
-@attrs.define(slots=True)
-class RequestResult:
-    """What one request ended as, and what the checks found for it."""
-
-    room: Hashable
-    sender: KVPoll
-    receiver: KVPoll
-    sender_kind: str | None = None
-    receiver_kind: str | None = None
-    latency: float | None = None
-    nbytes: int = 0
-    pages_checked: int = 0
-    pages_not_identical: int = 0
-    status_handle_mismatches: int = 0
-    released_before_safe: int = 0
-
-
-class _PagePool:
-    """A free list of page indices (and aux slots) that blocks when empty."""
-
-    def __init__(self, pages: int, slots: int) -> None:
-        self._free = list(range(pages))
-        self._slots = list(range(slots))
-        self._cond = threading.Condition()
-
-    def take(self, count: int, rng: random.Random) -> tuple[list[int], int]:
-        with self._cond:
-            while len(self._free) < count or not self._slots:
-                self._cond.wait()
-            # Random picks: scattered pages, like a long-running allocator.
-            picked = [self._free.pop(rng.randrange(len(self._free))) for _ in range(count)]
-            return picked, self._slots.pop()
-
-    def give(self, pages: Sequence[int], slot: int) -> None:
-        with self._cond:
-            self._free.extend(pages)
-            self._slots.append(slot)
-            self._cond.notify_all()
+    def _draw(self, now: float) -> None:
+        self._next_line = now + (0.1 if self._tty else 2.0)
+        filled = int(30 * self.done / self.total)
+        bar = "#" * filled + "-" * (30 - filled)
+        rate = self.done / max(now - self._start, 1e-9)
+        end = "\r" if self._tty and self.done < self.total else "\n"
+        self.stream.write(f"simulate [{bar}] {self.done}/{self.total} {rate:.0f} req/s{end}")
+        self.stream.flush()
 
 
 class _Ends:
@@ -250,8 +256,8 @@ class _World:
     receiver: TransferManager
     send_backend: KVBackend
     recv_backend: KVBackend
-    prefill: _PagePool
-    decode: _PagePool
+    prefill: PagePool
+    decode: PagePool
     ends: _Ends
     tensors: dict[str, Any]
     check_data: bool
@@ -294,9 +300,12 @@ def _wait_release_safe(handle: TransferHandle, limit: float) -> bool:
 
 def _one_request(world: _World, room: int, rng: random.Random) -> RequestResult:
     args = world.args
-    src_pages, src_aux = world.prefill.take(args.pages, rng)
-    dst_pages, dst_aux = world.decode.take(args.pages, rng)
-    given: list[_PagePool] = []
+    # Page picks get their own generator: how many draws they take depends on
+    # how many pages are free, which depends on timing; the plan must not.
+    picks = random.Random(rng.getrandbits(64))
+    src_pages, src_aux = world.prefill.take(args.pages, picks)
+    dst_pages, dst_aux = world.decode.take(args.pages, picks)
+    given: list[PagePool] = []
     try:
         return _run_request(world, room, rng, src_pages, src_aux, dst_pages, dst_aux, given)
     finally:
@@ -315,7 +324,7 @@ def _run_request(
     src_aux: int,
     dst_pages: list[int],
     dst_aux: int,
-    given: list[_PagePool],
+    given: list[PagePool],
 ) -> RequestResult:
     args = world.args
     sb, rb = world.send_backend, world.recv_backend
@@ -326,15 +335,22 @@ def _run_request(
     send, recv = world.sender.open(room), world.receiver.open(room)
     aborter, other = (send, recv) if rng.random() < 0.5 else (recv, send)
     abort_at = rng.randrange(4 + args.chunks) if rng.random() < args.abort_rate else None
-    harness_fail = args.backend != "local" and rng.random() < 1 - (1 - args.fail_rate) ** args.chunks
-    harness_stall = args.backend != "local" and rng.random() < args.stall_rate
+    # The harness, not the backend's copy threads, draws the faults: from the
+    # request's own generator, so the seed decides them whatever the timing.
+    harness_fail = rng.random() < 1 - (1 - args.fail_rate) ** args.chunks
+    harness_stall = rng.random() < args.stall_rate
     step = 0
+    last_sent = False
+    raced = False
 
     def maybe_abort() -> bool:
-        nonlocal step
+        nonlocal step, raced
         hit = abort_at == step
         step += 1
         if hit:
+            # After the last chunk went out the abort races its copy: which
+            # one wins is timing, so the seed cannot decide this outcome.
+            raced = last_sent
             aborter.abort("simulated client abort")
             if step == 1 or not world.peers_linked:
                 # Before any handshake nobody can tell the peer (a router
@@ -350,17 +366,22 @@ def _run_request(
         sb.bootstrap(send, sb.address)
         if not maybe_abort() and recv.poll() is KVPoll.WaitingForInput:
             rb.expect(recv, dst_pages, dst_aux)
-        if not maybe_abort() and send.poll() is KVPoll.WaitingForInput and not harness_stall:
+        if not maybe_abort() and send.poll() is KVPoll.WaitingForInput:
             parts = _split(src_pages, args.chunks)
             for index, part in enumerate(parts):
                 if index and maybe_abort():
                     break
                 last = index == len(parts) - 1
+                if harness_stall and last:
+                    # The last chunk never comes: the room ends by its
+                    # transferring deadline (waiting, with a single chunk).
+                    break
                 if harness_fail and last:
                     send.fail(FailureReason(FailureKind.TRANSFER_ERROR, "simulated transport error"))
                     recv.fail(FailureReason(FailureKind.PEER_FAILED, "sender failed", from_peer=True))
                     break
                 sb.send(send, part, last=last, aux_index=src_aux if last else None)
+                last_sent = last
         maybe_abort()  # races the copy of the last chunk
         _wait_terminal((send, recv), event, limit=60.0)
         # Handles are read without the managers' locks; passing through each
@@ -375,6 +396,7 @@ def _run_request(
             recv.reason.kind.value if recv.reason else None,
             recv.transfer_latency if recv.state is KVPoll.Success else None,
             recv.nbytes,
+            raced=raced,
         )
         if recv.state is KVPoll.Success and world.check_data:
             _check_pages(world, result, src_pages, dst_pages, src_aux, dst_aux)
@@ -424,7 +446,7 @@ def _release(
     src_aux: int,
     dst_pages: list[int],
     dst_aux: int,
-    given: list[_PagePool],
+    given: list[PagePool],
 ) -> None:
     args = world.args
     audit = world.audit
@@ -456,13 +478,18 @@ def _make_world(args: argparse.Namespace) -> _World:
     from .backends import KVPools, get_backend
 
     backend_cls = get_backend(args.backend)
-    # A stalled fake sender never sends: its waiting deadline ends it. Local
-    # receivers wait for their first chunk behind other rooms' chunks, so
-    # their waiting phase gets more room.
-    waiting = args.transfer_timeout if args.backend == "fake" else max(2.0, 4 * args.transfer_timeout)
-    timeouts = Timeouts(bootstrap=30.0, waiting=waiting, transferring=args.transfer_timeout, drain=30.0)
-    sender = TransferManager("sender", timeouts=timeouts)
-    receiver = TransferManager("receiver", timeouts=timeouts)
+    # The sender sends as soon as it is bootstrapped and holds the deadlines
+    # that end a stall: `--transfer-timeout` for its wait and its transfer.
+    # The receiver waits for its first chunk behind other rooms' chunks and
+    # hears of a stalled sender as PEER_FAILED, so its own deadlines are a
+    # longer backstop: a stall ends the same way whichever reaper runs first.
+    sender_timeouts = Timeouts(
+        bootstrap=30.0, waiting=args.transfer_timeout, transferring=args.transfer_timeout, drain=30.0
+    )
+    backstop = args.transfer_timeout if args.backend == "fake" else max(2.0, 4 * args.transfer_timeout)
+    receiver_timeouts = attrs.evolve(sender_timeouts, waiting=backstop, transferring=backstop)
+    sender = TransferManager("sender", timeouts=sender_timeouts)
+    receiver = TransferManager("receiver", timeouts=receiver_timeouts)
     pool_pages = args.concurrency * args.pages * 2 + 8
     slots = args.concurrency * 2 + 4
     tensors: dict[str, Any] = {}
@@ -470,8 +497,8 @@ def _make_world(args: argparse.Namespace) -> _World:
         send_backend: KVBackend = backend_cls(sender)
         recv_backend: KVBackend = backend_cls(receiver)
         return _World(
-            args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
-            _PagePool(pool_pages, slots), _Ends(), tensors, check_data=False, peers_linked=False,
+            args, sender, receiver, send_backend, recv_backend, PagePool(pool_pages, slots),
+            PagePool(pool_pages, slots), _Ends(), tensors, check_data=False, peers_linked=False,
         )  # fmt: skip
     import torch
 
@@ -480,9 +507,8 @@ def _make_world(args: argparse.Namespace) -> _World:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     element = 2  # bfloat16
+    check_args(args)
     per_region = args.page_size // (2 * LAYERS)
-    if per_region * 2 * LAYERS != args.page_size or per_region % element:
-        raise SystemExit(f"--page-size must be a multiple of {2 * LAYERS * element} bytes; got {args.page_size}")
     generator = torch.Generator().manual_seed(args.seed)
 
     def pools(fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -498,9 +524,9 @@ def _make_world(args: argparse.Namespace) -> _World:
 
     pk, pv, paux = pools(True)
     dk, dv, daux = pools(False)
+    # Failures and stalls are the harness's (see _run_request); the backend
+    # only delays and lingers for the early-release bug.
     faults = Faults(
-        fail_rate=args.fail_rate,
-        stall_rate=args.stall_rate,
         seed=args.seed,
         delay_s=0.001 if args.inject_bug == "early-release" else 0.0,
         linger_chunks=2 if args.inject_bug == "early-release" else 0,
@@ -520,24 +546,90 @@ def _make_world(args: argparse.Namespace) -> _World:
     tensors["prefill_aux"] = paux
     tensors["decode_aux"] = daux
     return _World(
-        args, sender, receiver, send_backend, recv_backend, _PagePool(pool_pages, slots),
-        _PagePool(pool_pages, slots), _Ends(), tensors, check_data=True,
+        args, sender, receiver, send_backend, recv_backend, PagePool(pool_pages, slots),
+        PagePool(pool_pages, slots), _Ends(), tensors, check_data=True,
         audit=recv_backend if isinstance(recv_backend, LocalBackend) else None,
     )  # fmt: skip
+
+
+def _plans(args: argparse.Namespace) -> Iterator[tuple[int, random.Random]]:
+    """Each request's room id and random generator, made only when a worker asks for it.
+
+    Made lazily (a generator holds about 2.5 KB): however many requests a
+    run has, only those in flight exist. Room `n` always gets the `n`-th
+    seed, whichever worker takes it.
+    """
+    seeds = random.Random(args.seed)
+    for room in range(args.requests):
+        yield room, random.Random(seeds.getrandbits(64))
+
+
+class _Interrupted(Exception):
+    """Ctrl-C stopped the run; the requests already finished are in `tally`."""
+
+
+def _drive(world: _World, args: argparse.Namespace, tally: Tally, progress: _Progress) -> bool:
+    """Run every request on `args.concurrency` workers; False if Ctrl-C stopped it early.
+
+    After a Ctrl-C no new request starts, and the ones in flight end as
+    usual (each is bounded by its deadlines), so what ran is still checked.
+    A second Ctrl-C stops waiting for them.
+    """
+    plans = _plans(args)
+    feed = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            with feed:
+                plan = next(plans, None)
+            if plan is None:
+                return
+            try:
+                result = _one_request(world, *plan)
+            except BaseException as exc:  # a harness error: stop feeding, report it
+                errors.append(exc)
+                stop.set()
+                return
+            finally:
+                progress.step()
+            tally.add(result)
+
+    workers = [
+        threading.Thread(target=worker, name=f"kvfsm-simulate-{n}", daemon=True) for n in range(args.concurrency)
+    ]
+    for thread in workers:
+        thread.start()
+    finished = True
+    try:
+        for thread in workers:
+            thread.join()
+    except KeyboardInterrupt:
+        finished = False
+        stop.set()
+        try:
+            for thread in workers:
+                thread.join()
+        except KeyboardInterrupt:
+            raise _Interrupted from None
+    if errors:
+        raise errors[0]
+    return finished
 
 
 def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
     """Run the simulation described by `args` (see `configure`); print and return the summary.
 
     The summary goes to `out` (default stdout), the progress bar to `err`
-    (default stderr).
+    (default stderr). Stopped by Ctrl-C, it returns the summary of the
+    requests that finished, with `"interrupted": True`, and prints nothing.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    if args.backend in ("mooncake", "nixl"):
+    check_args(args)
+    if args.backend in REMOTE_BACKENDS:
         # Real engines run prefill and decode as two processes on loopback.
-        if args.inject_bug != "none":
-            raise ValueError(f"--inject-bug runs on the in-process backends only, not on {args.backend!r}")
         from .simulate_remote import simulate_remote
 
         return simulate_remote(args, out, err)
@@ -552,33 +644,29 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         manager.subscribe(world.ends)
         manager.start_reaper(interval=min(0.05, args.transfer_timeout / 4))
     progress = _Progress(args.requests, err, not args.no_progress)
-    seeds = random.Random(args.seed)
-    jobs = [(room, random.Random(seeds.getrandbits(64))) for room in range(args.requests)]
-
-    def job(item: tuple[int, random.Random]) -> RequestResult:
-        try:
-            return _one_request(world, item[0], item[1])
-        finally:
-            progress.step()
-
+    tally = Tally()
+    managers: tuple[TransferManager, ...] = (world.sender, world.receiver)
     start = time.perf_counter()
+    progress.begin()
     try:
-        with ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="kvfsm-simulate") as pool:
-            results = list(pool.map(job, jobs))
-        elapsed = time.perf_counter() - start
+        finished = _drive(world, args, tally, progress)
+    except _Interrupted:
+        # Requests are still in flight: nothing more can be checked or closed.
+        finished, managers = False, ()
     finally:
-        world.send_backend.close()
-        world.recv_backend.close()
+        elapsed = time.perf_counter() - start
+        if managers:
+            world.send_backend.close()
+            world.recv_backend.close()
         for manager in (world.sender, world.receiver):
             manager.stop_reaper()
-    late_writes = _late_writes(world)
     summary = build_summary(
-        results,
+        tally,
         backend=args.backend,
         elapsed=elapsed,
-        managers=(world.sender, world.receiver),
+        managers=managers,
         metrics=metrics,
-        extra_checks={"released_before_safe": late_writes},
+        extra_checks={"released_before_safe": _late_writes(world) if managers else 0},
         config={
             k: getattr(args, k)
             for k in (
@@ -587,10 +675,11 @@ def simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
             )
         },
     )  # fmt: skip
-    print_summary(summary, out)
+    summary["interrupted"] = not finished
+    if finished:
+        print_summary(summary, out)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2, default=str)
+        write_json(args.json, summary)
     return summary
 
 
@@ -604,134 +693,11 @@ def _late_writes(world: _World) -> int:
     return len(backend.audited_rooms())
 
 
-def build_summary(
-    results: Sequence[RequestResult],
-    *,
-    backend: str,
-    elapsed: float,
-    managers: Sequence[TransferManager],
-    metrics: TransferMetrics | None = None,
-    extra_checks: dict[str, int] | None = None,
-    config: dict[str, Any] | None = None,
-    late_events: int = 0,
-) -> dict[str, Any]:
-    """The summary dict (format in the module docstring) from per-request results.
-
-    `managers` are checked for rooms left open and their late events
-    counted; a harness whose managers live elsewhere passes their counts
-    instead, as `extra_checks["rooms_left_open"]` and `late_events`.
-    `extra_checks` adds counts to verification keys (the same key adds
-    up). `ok` is true iff every verification value is 0.
-    """
-    successes = [r for r in results if r.receiver is KVPoll.Success]
-    latencies = [r.latency for r in successes if r.latency is not None]
-    rates = [r.nbytes / r.latency / 1e9 for r in successes if r.latency]
-    total_bytes = sum(r.nbytes for r in successes)
-    verification = {
-        "pages_not_identical": sum(r.pages_not_identical for r in results),
-        "rooms_left_open": sum(len(m) for m in managers),
-        "status_handle_mismatches": sum(r.status_handle_mismatches for r in results),
-        "released_before_safe": sum(r.released_before_safe for r in results),
-    }
-    for key, value in (extra_checks or {}).items():
-        verification[key] = verification.get(key, 0) + value
-    lat = percentiles(latencies)
-    return {
-        "backend": backend,
-        "requests": len(results),
-        "elapsed_s": elapsed,
-        "requests_per_s": len(results) / elapsed if elapsed > 0 else None,
-        "config": config or {},
-        "final_states": {
-            "sender": dict(Counter(r.sender.name for r in results)),
-            "receiver": dict(Counter(r.receiver.name for r in results)),
-        },
-        "failure_kinds": {
-            "sender": dict(Counter(r.sender_kind for r in results if r.sender_kind)),
-            "receiver": dict(Counter(r.receiver_kind for r in results if r.receiver_kind)),
-        },
-        "latency_s": {
-            "p50": lat["p50"],
-            "p99": lat["p99"],
-            "mean": sum(latencies) / len(latencies) if latencies else None,
-            "max": max(latencies) if latencies else None,
-        },
-        "throughput": {
-            "bytes": total_bytes,
-            "gb_per_s": total_bytes / elapsed / 1e9 if elapsed > 0 else None,
-            "per_transfer_gb_per_s": percentiles(rates),
-        },
-        "pages_checked": sum(r.pages_checked for r in results),
-        "late_events": late_events + sum(m.stats.late_events for m in managers),
-        "sides_disagree": sum(1 for r in results if (r.sender is KVPoll.Success) != (r.receiver is KVPoll.Success)),
-        "verification": verification,
-        "ok": all(v == 0 for v in verification.values()),
-        "metrics": metrics.snapshot() if metrics is not None else {},
-    }
-
-
-def _fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 1e-3:
-        return f"{value * 1e6:.1f} us"
-    if value < 1:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value:.2f} s"
-
-
-def _fmt_bytes(value: int) -> str:
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"  # pragma: no cover
-
-
-def print_summary(summary: dict[str, Any], out: TextIO) -> None:
-    """Render `summary` as the table and verification block `kvfsm simulate` prints."""
-    rows: list[tuple[str, str]] = [
-        ("backend", str(summary["backend"])),
-        ("requests", str(summary["requests"])),
-        ("elapsed", _fmt_seconds(summary["elapsed_s"])),
-    ]
-    for side in ("receiver", "sender"):
-        states = summary["final_states"][side]
-        rows.append((f"final ({side})", ", ".join(f"{k} {v}" for k, v in sorted(states.items())) or "-"))
-    for side in ("receiver", "sender"):
-        kinds = summary["failure_kinds"][side]
-        rows.append((f"failures ({side})", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"))
-    lat = summary["latency_s"]
-    rows.append(("transfer latency", f"p50 {_fmt_seconds(lat['p50'])}, p99 {_fmt_seconds(lat['p99'])}"))
-    rate = summary["requests_per_s"]
-    rows.append(("throughput", f"{rate:.0f} req/s" if rate else "-"))
-    thr = summary["throughput"]
-    gbps = thr["gb_per_s"]
-    rows.append(("bytes moved (successes)", f"{_fmt_bytes(thr['bytes'])} ({gbps:.2f} GB/s overall)" if gbps else "0"))
-    per = thr["per_transfer_gb_per_s"]
-    if per.get("p50") is not None:
-        rows.append(("per-transfer rate", f"p50 {per['p50']:.2f} GB/s, p99 {per['p99']:.2f} GB/s"))
-    rows.append(("pages checked", str(summary["pages_checked"])))
-    rows.append(("late events absorbed", str(summary["late_events"])))
-    rows.append(("sides disagree (race)", str(summary["sides_disagree"])))
-    width = max(max(len(k) for k, _ in rows), max(len(k) for k in summary["verification"]))
-    out.write("\nSummary\n")
-    for key, value in rows:
-        out.write(f"  {key:<{width}}  {value}\n")
-    out.write("\nVerification\n")
-    for key, value in summary["verification"].items():
-        mark = "ok" if value == 0 else "FAIL"
-        out.write(f"  {key.replace('_', ' '):<{width}}  {value:<6} {mark}\n")
-    out.write(f"\n{'all checks passed' if summary['ok'] else 'VERIFICATION FAILED'}\n")
-
-
 def run(args: argparse.Namespace) -> int:
-    try:
-        summary = simulate(args)
-    except ValueError as exc:  # options that cannot go together
-        print(f"kvfsm simulate: error: {exc}", file=sys.stderr)
-        return 2
+    summary = simulate(args)
+    if summary.get("interrupted"):
+        print(f"\nkvfsm simulate: {interrupted_line(summary, args.requests)}", file=sys.stderr)
+        return 130
     return 0 if summary["ok"] else 1
 
 

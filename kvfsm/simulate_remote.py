@@ -23,7 +23,7 @@ no cross-process equivalent here and is ignored.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -36,15 +36,24 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ._cliargs import MissingDependency, UsageError
+from ._native_log import capture_native_stderr
+from ._simulation import REMOTE_BACKENDS, PagePool, RequestResult, build_summary, print_summary, write_json
 from ._states import KVPoll
-from .simulate import RequestResult, _PagePool, build_summary, print_summary
 
 if TYPE_CHECKING:
     from .backends.base import KVBackend
 
-__all__ = ["simulate_remote", "run", "REMOTE_BACKENDS"]
+__all__ = ["simulate_remote", "run", "REMOTE_BACKENDS", "missing_engine", "ENGINE_INSTALL"]
 
-REMOTE_BACKENDS = ("mooncake", "nixl")
+#: What each engine's processes import, and how to install it.
+ENGINE_MODULES: dict[str, tuple[str, ...]] = {"mooncake": ("zmq", "mooncake.engine"), "nixl": ("zmq", "nixl._api")}
+ENGINE_INSTALL: dict[str, str] = {
+    "mooncake": "pip install 'kvfsm[engines]' (pyzmq and Mooncake Transfer Engine), "
+    "and Debian's libibverbs1 librdmacm1 libnuma1 (apt-get install libibverbs1 librdmacm1 libnuma1)",
+    "nixl": "pip install 'kvfsm[engines]' (pyzmq), then NIXL without its CUDA torch: "
+    "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy",
+}
 LAYERS = 2
 AUX_BYTES = 64
 
@@ -56,7 +65,7 @@ def _arg(args: argparse.Namespace, name: str, default: Any) -> Any:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     page_size = int(_arg(args, "page_size", 16384))
     if page_size % (LAYERS * 2 * 4):
-        raise ValueError(f"--page-size must be a multiple of {LAYERS * 2 * 4} bytes (2 layers x K,V x float32)")
+        raise UsageError(f"--page-size must be a multiple of {LAYERS * 2 * 4} bytes (2 layers x K,V x float32)")
     return {
         "backend": args.backend,
         "requests": int(_arg(args, "requests", 200)),
@@ -71,7 +80,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         # Benchmarks turn the data fill and byte check off to time the transfers alone.
         "verify": bool(_arg(args, "verify", True)),
         "heartbeat": 0.5,
-        # The children log like the parent (`kvfsm -v simulate ...`).
+        # The children log like the parent (`kvfsm simulate -v ...`).
         "log_level": logging.getLogger().getEffectiveLevel(),
     }
 
@@ -115,7 +124,7 @@ class _Side:
         self.k = torch.zeros(LAYERS, pages, floats)
         self.v = torch.zeros(LAYERS, pages, floats)
         self.aux = torch.zeros(settings["concurrency"] * 2, AUX_BYTES, dtype=torch.uint8)
-        self.free = _PagePool(pages, settings["concurrency"] * 2)
+        self.free = PagePool(pages, settings["concurrency"] * 2)
         backend_class = get_backend(settings["backend"])
         if issubclass(backend_class, RemoteBackend):
             config = RemoteConfig(heartbeat_interval=settings["heartbeat"], heartbeat_misses=4)
@@ -242,10 +251,47 @@ class _Side:
         return self.finish(handle, room, pages, slot, {"room": room, "checked": checked, "bad": bad})
 
 
+def missing_engine(backend: str, module: str | None = None) -> MissingDependency:
+    """The one-line error for `backend` when `module` (or one of its modules) cannot be imported."""
+    what = (
+        f"Python module {module!r}, which cannot be imported here" if module else "modules that cannot be imported here"
+    )
+    return MissingDependency(f"--backend {backend} needs {what}: {ENGINE_INSTALL[backend]}")
+
+
+def _check_engine(backend: str) -> None:
+    """Refuse at once (before any process starts) when the engine's modules are absent."""
+    for module in ENGINE_MODULES[backend]:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # its parent package is missing
+            found = False
+        if not found:
+            raise missing_engine(backend, module)
+
+
+def _missing_module(exc: BaseException) -> str | None:
+    """The module an import failure behind `exc` names ("" if unnamed), or None if it is no import failure."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ImportError):
+            return cause.name or ""
+        cause = cause.__cause__
+    return None
+
+
 def _child(role: str, settings: dict[str, Any], conn: Connection) -> None:
+    native = capture_native_stderr()  # Mooncake's glog lines, into logging
     logging.basicConfig(level=settings["log_level"], format=f"[{role}] %(levelname)s %(name)s: %(message)s")
     try:
-        side = _Side(role, settings)
+        try:
+            side = _Side(role, settings)
+        except Exception as exc:
+            module = _missing_module(exc)
+            if module is None:
+                raise
+            conn.send(("missing", module))
+            return
         conn.send(("address", side.backend.address))
         _go, prefill_address = conn.recv()
         rooms = range(settings["requests"])
@@ -269,7 +315,7 @@ def _child(role: str, settings: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
         sys.stdout.flush()
-        sys.stderr.flush()
+        native.close()
         # Skip interpreter teardown: NIXL's bundled libraries may crash there.
         os._exit(0)
 
@@ -285,10 +331,12 @@ def _progress(side: _Side, total: int, stop: threading.Event) -> None:
 # -- the parent ---------------------------------------------------------------------------------
 
 
-def _receive(conn: Connection, what: str, limit: float) -> Any:
+def _receive(conn: Connection, what: str, limit: float, backend: str) -> Any:
     if not conn.poll(limit):
         raise RuntimeError(f"simulate: the {what} process did not answer within {limit:.0f}s")
     kind, value = conn.recv()
+    if kind == "missing":
+        raise missing_engine(backend, value or None)
     if kind == "error":
         raise RuntimeError(f"simulate: the {what} process failed:\n{value}")
     return value
@@ -298,7 +346,8 @@ def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: Tex
     """Run the cross-process simulation described by `args`; return the summary dict."""
     settings = _settings(args)
     if settings["backend"] not in REMOTE_BACKENDS:
-        raise ValueError(f"simulate_remote runs {', '.join(REMOTE_BACKENDS)}; got {settings['backend']!r}")
+        raise UsageError(f"simulate_remote runs {', '.join(REMOTE_BACKENDS)}; got {settings['backend']!r}")
+    _check_engine(settings["backend"])
     ctx = multiprocessing.get_context("spawn")
     pipes = {role: ctx.Pipe() for role in ("sender", "receiver")}
     processes = {
@@ -310,12 +359,12 @@ def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: Tex
     for process in processes.values():
         process.start()
     try:
-        addresses = {role: _receive(pipes[role][0], role, 120.0) for role in pipes}
+        addresses = {role: _receive(pipes[role][0], role, 120.0, settings["backend"]) for role in pipes}
         start = time.perf_counter()
         for role in pipes:
             pipes[role][0].send(("go", addresses["sender"]))
         limit = 120.0 + settings["requests"] * 0.5
-        reports = {role: _receive(pipes[role][0], role, limit) for role in pipes}
+        reports = {role: _receive(pipes[role][0], role, limit, settings["backend"]) for role in pipes}
         elapsed = time.perf_counter() - start
     finally:
         for process in processes.values():
@@ -327,8 +376,7 @@ def simulate_remote(args: argparse.Namespace, out: TextIO = sys.stdout, err: Tex
     print_summary(summary, out)
     json_path = _arg(args, "json", None)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2)
+        write_json(json_path, summary)
     return summary
 
 
@@ -344,6 +392,7 @@ def _summary(settings: dict[str, Any], reports: dict[str, Any], elapsed: float) 
         managers=(),
         late_events=reports["sender"]["late_events"] + reports["receiver"]["late_events"],
         extra_checks={"rooms_left_open": reports["sender"]["left_open"] + reports["receiver"]["left_open"]},
+        reproducible=False,  # two processes racing on a real engine: timing decides more than the seed
         config={k: v for k, v in settings.items() if k not in ("progress", "log_level")} | {"processes": 2},
     )
 

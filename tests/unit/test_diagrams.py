@@ -183,7 +183,13 @@ def test_check_fails_when_the_role_or_highlight_differs(tmp_path: Path) -> None:
 
 def test_check_fails_on_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diagram", "--check", str(tmp_path / "nope.mmd")]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "does not exist" in err
+    # No role to read from a missing file: both commands are offered, neither assumed.
+    assert "--role sender" in err and "--role receiver" in err
+    assert main(["diagram", "--role", "receiver", "--check", str(tmp_path / "nope.mmd")]) == 1
+    err = capsys.readouterr().err
+    assert "--role receiver" in err and "--role sender" not in err
 
 
 def test_stdout_by_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,3 +251,44 @@ def test_png_is_a_png(tmp_path: Path) -> None:
     assert main(["diagram", "--output", str(path)]) == 0
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert main(["diagram", "--check", str(path)]) == 0
+
+
+@pytest.mark.parametrize("role", ["sender", "receiver"])
+def test_check_without_role_reads_the_role_from_the_file(
+    role: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The old `--check` assumed the sender: on a receiver file it reported a
+    # difference and suggested overwriting it with the sender's diagram.
+    path = tmp_path / f"lifecycle-{role}.mmd"
+    path.write_text(kd.render_text(role, "mermaid"))
+    assert kd.role_of(path) is Role(role)
+    assert main(["diagram", "--check", str(path)]) == 0
+    assert "up to date" in capsys.readouterr().out
+    path.write_text(kd.render_text(role, "mermaid").replace("Transferring", "Transfering"))
+    assert main(["diagram", "--check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"kvfsm diagram --role {role} --format mermaid --output {path}" in err
+    other = "sender" if role == "receiver" else "receiver"
+    assert f"--role {other}" not in err
+
+
+def test_check_without_role_on_a_file_naming_no_role_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mystery.mmd"
+    path.write_text("stateDiagram-v2\n  A --> B\n")
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--check", str(path)])
+    assert info.value.code == 2
+    assert "pass --role" in capsys.readouterr().err
+
+
+def test_output_in_a_missing_folder_is_refused_before_rendering(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "-o", str(tmp_path / "no" / "such" / "x.mmd")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvfsm diagram: error:" in err and "does not exist" in err
+    assert "Traceback" not in err
