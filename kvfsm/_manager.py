@@ -106,9 +106,8 @@ def _check_room_id(room: object) -> None:
     if cls is int:
         if MIN_INT_ROOM_ID <= room <= MAX_INT_ROOM_ID:  # type: ignore[operator]
             return
-    elif cls is str:
-        if 0 < len(room) <= MAX_ROOM_ID_CHARS:  # type: ignore[arg-type]
-            return
+    elif cls is str and 0 < len(room) <= MAX_ROOM_ID_CHARS:  # type: ignore[arg-type]
+        return
     raise InvalidRoomId(room, _ROOM_ID_EXPECTED)
 
 

@@ -16,9 +16,8 @@ Three things are particular to a real engine:
 * `settle()` must prove that nothing the pair started is still moving:
   every control message either side sent has been handled by the other,
   the prefill's writer thread has no room with work left, and no live
-  decode room is behind its prefill room (chunks done, or Success): NIXL's
-  progress and completion travel as engine notifications, outside the
-  control plane. It checks all of that twice around a round trip through
+  decode room is behind its prefill room (chunks done, or Success): the
+  decode fires a notice's events after its control thread handled it. It checks all of that twice around a round trip through
   the writer's command queue, and gives up with an error after
   `SETTLE_LIMIT` seconds.
 """
@@ -76,7 +75,6 @@ class KeptMooncakeEngine(EngineAdapter):
     """A Mooncake engine and its registered pages that outlive one example's backends."""
 
     name = "mooncake"
-    notifies_receiver = False
 
     def __init__(self) -> None:
         self.inner = MooncakeEngine()
@@ -92,8 +90,8 @@ class KeptMooncakeEngine(EngineAdapter):
     def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
         return self.inner.add_peer(session, blob)
 
-    def submit(self, target: Any, writes: list[Write], notify: bytes | None) -> EngineJob:
-        return self.inner.submit(target, writes, notify)
+    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
+        return self.inner.submit(target, writes)
 
     def close(self) -> None:
         return  # kept for the next example
@@ -118,7 +116,7 @@ class Settling(RemoteBackend):
 
     def _count_handled(self) -> None:
         self.handled = 0
-        receive: Callable[[list[bytes]], None] = self.control._receive
+        receive: Callable[[list[bytes]], None] = self.receive
 
         def counting(frames: list[bytes]) -> None:
             try:
@@ -127,15 +125,15 @@ class Settling(RemoteBackend):
                 self.handled += 1
 
         # Counted after the handler returned: whatever it queued for the writer is queued by then.
-        setattr(self.control, "_receive", counting)  # noqa: B010
+        setattr(self.transport, "_on_frames", counting)  # noqa: B010
 
-    def _command(self, command: str, payload: Any, active: dict[str, Any]) -> None:
+    def _command(self, command: str, payload: Any) -> None:
         if command == "sync":
             # Commands are handled in order: everything queued before this one has been taken up.
-            if not active:
+            if not self._active:
                 payload.set()
             return
-        super()._command(command, payload, active)
+        super()._command(command, payload)
 
     def writer_idle(self) -> bool:
         """True when the writer took up every command queued so far and had no room with work left.
@@ -166,9 +164,11 @@ class SettlingNixlBackend(Settling, NixlBackend):
 def decode_behind(sending: Settling, receiving: Settling) -> bool:
     """True while a live decode room has seen fewer chunks than its prefill room, or is not done when it is."""
     with sending._lock:
-        rooms = [(r.token, r.handle) for r in sending._send_by_room.values() if r.handle is not None]
-    for token, send in rooms:
-        rec = receiving._recv_by_token.get(token)
+        rooms = [(claim.gen, claim.handle) for claim in sending._claim_of.values() if claim.handle is not None]
+    with receiving._lock:
+        records = {gen: rec for session in receiving.sessions for gen, rec in session.records.items()}
+    for gen, send in rooms:
+        rec = records.get(gen)
         if rec is None or rec.handle.is_terminal:
             continue
         if rec.handle.chunks < send.chunks or send.state is KVPoll.Success:

@@ -479,7 +479,7 @@ def test_failures_and_invalid_events_are_logged_with_room(caplog: pytest.LogCapt
 @pytest.mark.parametrize("room", [None, 1.5, True, (1, 2), b"x"])
 def test_bad_room_ids_are_type_errors(room: object) -> None:
     manager = TransferManager("sender")
-    with pytest.raises(TypeError, match="room must be an int in .* or a str of 1 to 1024 characters"):
+    with pytest.raises(TypeError, match=r"room must be an int in .* or a str of 1 to 1024 characters"):
         manager.open(room)  # type: ignore[arg-type]
     assert len(manager) == 0
 

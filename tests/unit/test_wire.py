@@ -1,0 +1,188 @@
+"""The wire protocol's declaration and codec: tables well formed, frames validated, garbage counted.
+
+The codec must turn every way a frame can be wrong into a `MalformedFrame`
+with a counter category and never raise anything else (issue 11, defect 6:
+a >4,300-digit integer made `json.loads` raise ValueError, deep nesting
+RecursionError, and both escaped the old decoder).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfsm.backends import wire
+
+AUTH = {"sid": "a" * 16, "key": "b" * 32}
+
+
+def _frames(header: dict[str, Any], blob: bytes | None = None) -> list[bytes]:
+    frames = [wire.MAGIC, json.dumps(header).encode()]
+    if blob is not None:
+        frames.append(blob)
+    return frames
+
+
+def _room_header(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"type": "CHUNK", **AUTH, "room": 7, "gen": 11, "pgen": 3, "nbytes": 5}
+    base.update(fields)
+    return base
+
+
+def test_round_trip_keeps_fields_and_blob() -> None:
+    fields = {**AUTH, "room": 7, "gen": 11, "pgen": 3, "nbytes": 64}
+    frame = wire.decode(wire.encode("DONE", fields, b"\x00\x01aux"))
+    assert frame == wire.Frame("DONE", fields, b"\x00\x01aux")
+
+
+@pytest.mark.parametrize(
+    ("frames", "category", "needle"),
+    [
+        ([wire.MAGIC], "malformed", "2 or 3 frames"),
+        ([b"HTTP/1.1", b"{}"], "malformed", "magic"),
+        ([b"KVFSM/1", b"{}"], "bad_version", "KVFSM/2"),
+        ([wire.MAGIC, b"{not json"], "malformed", "not JSON"),
+        ([wire.MAGIC, b"\xff\xfe"], "malformed", "not JSON"),
+        ([wire.MAGIC, b"[]"], "malformed", "JSON object"),
+        ([wire.MAGIC, b'{"n": ' + b"1" * 5000 + b"}"], "malformed", "not JSON"),
+        ([wire.MAGIC, b"[" * 100_000 + b"]" * 100_000], "malformed", "not JSON"),
+        (_frames(_room_header(type="NOPE")), "unknown_type", "NOPE"),
+        (_frames(_room_header(type=["CHUNK"])), "unknown_type", "CHUNK"),
+        (_frames({k: v for k, v in _room_header().items() if k != "nbytes"}), "malformed", "'nbytes'"),
+        (_frames(_room_header(room=True)), "malformed", "CHUNK.room"),
+        (_frames(_room_header(room="")), "malformed", "CHUNK.room"),
+        (_frames(_room_header(room=1 << 64)), "malformed", "CHUNK.room"),
+        (_frames(_room_header(gen=0)), "malformed", "CHUNK.gen"),
+        (_frames(_room_header(nbytes=-3)), "malformed", "CHUNK.nbytes"),
+        (_frames(_room_header(nbytes=1.5)), "malformed", "CHUNK.nbytes"),
+        (_frames(_room_header(key="k" * 65)), "malformed", "CHUNK.key"),
+        (_frames(_room_header(extra=1)), "malformed", "unknown field 'extra'"),
+        (_frames(_room_header(), b"blob"), "malformed", "carries no blob"),
+        (
+            _frames({"type": "ROOM", **AUTH, "room": 1, "gen": 2, "pages": [1, "2"], "aux": None}),
+            "malformed",
+            "ROOM.pages",
+        ),
+        (
+            _frames({"type": "ROOM", **AUTH, "room": 1, "gen": 2, "pages": [0] * (wire.MAX_PAGES + 1), "aux": None}),
+            "malformed",
+            "ROOM.pages",
+        ),
+        ([wire.MAGIC, b" " * (wire.MAX_HEADER_BYTES + 1)], "oversized", "header frame"),
+        ([wire.MAGIC, b"{}", b"x" * (wire.MAX_BLOB_BYTES + 1)], "oversized", "blob frame"),
+    ],
+)
+def test_invalid_frames_are_refused_with_a_category_and_a_reason(
+    frames: list[bytes], category: str, needle: str
+) -> None:
+    with pytest.raises(wire.MalformedFrame) as info:
+        wire.decode(frames)
+    assert info.value.category == category
+    assert needle in str(info.value)
+
+
+def test_encoding_refuses_what_would_not_validate() -> None:
+    with pytest.raises(wire.MalformedFrame, match="CHUNK.nbytes"):
+        wire.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0})
+    with pytest.raises(wire.MalformedFrame, match="no field 'token'"):
+        wire.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0, "nbytes": 1, "token": "x"})
+    with pytest.raises(wire.MalformedFrame, match="unknown message type"):
+        wire.encode("FROB", {})
+    with pytest.raises(wire.MalformedFrame, match="carries no blob"):
+        wire.encode("HEARTBEAT", AUTH, b"x")
+
+
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_random_bytes_are_only_ever_counted_drops(frames: list[bytes]) -> None:
+    try:
+        wire.decode(frames)
+    except wire.MalformedFrame as exc:
+        assert exc.category in {"malformed", "bad_version", "unknown_type", "oversized"}
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(
+    kind=st.sampled_from([*wire.SPECS, "NOPE"]),
+    fields=st.dictionaries(
+        st.sampled_from(["sid", "key", "room", "gen", "pgen", "pages", "aux", "nbytes", "kind", "message", "addr"]),
+        _JSON,
+        max_size=8,
+    ),
+    blob=st.none() | st.binary(max_size=16),
+)
+def test_structured_garbage_is_only_ever_counted_drops(kind: str, fields: dict[str, Any], blob: bytes | None) -> None:
+    """Right magic, JSON objects with the right field names and wrong everything else."""
+    frames = _frames({"type": kind, **fields}, blob)
+    try:
+        frame = wire.decode(frames)
+    except wire.MalformedFrame as exc:
+        assert exc.category in {"malformed", "unknown_type"}
+    else:
+        spec = wire.SPECS[frame.type]
+        assert set(frame.fields) == {name for name, _ in spec.fields}
+
+
+def test_every_row_sends_only_what_its_side_may_send() -> None:
+    side = {"decode": wire.Sender.DECODE, "claim": wire.Sender.PREFILL, "room": wire.Sender.PREFILL}
+    for table in wire.TABLES:
+        for row in table.rows:
+            for message in row.sends:
+                assert wire.SPECS[message].sender in (side[table.name], wire.Sender.EITHER), (table.name, row)
+            if row.input.startswith("recv "):
+                received = row.input.removeprefix("recv ").split(":")[0]
+                assert wire.SPECS[received].sender is not side[table.name], (table.name, row)
+
+
+def test_every_state_is_reachable_from_a_new_record() -> None:
+    for table in wire.TABLES:
+        reached: set[Any] = {None}
+        frontier: list[Any] = [None]
+        while frontier:
+            state = frontier.pop()
+            for row in table.rows:
+                if state in row.sources and row.dest not in reached:
+                    reached.add(row.dest)
+                    frontier.append(row.dest)
+        assert set(table.states) <= reached, (table.name, set(table.states) - reached)
+
+
+def test_a_table_refuses_two_rows_for_one_state_and_input() -> None:
+    rows = (
+        wire.WireRow("x", (None,), wire.DecodeWire.READY, (), ""),
+        wire.WireRow("x", (None,), wire.DecodeWire.DONE, (), ""),
+    )
+    with pytest.raises(ValueError, match="two rows for 'x'"):
+        wire.WireTable("bad", wire.DecodeWire, rows, "")
+
+
+def test_the_handshake_mac_covers_every_field_and_the_blob() -> None:
+    key = b"k" * 32
+    fields = {"addr": "tcp://127.0.0.1:1", "reply_sid": "s", "reply_key": "t", "mac": None}
+    mac = wire.handshake_mac(key, "HELLO", fields, b"meta")
+    assert len(mac) == 64
+    assert wire.handshake_mac(key, "HELLO", {**fields, "mac": "ignored"}, b"meta") == mac
+    assert wire.handshake_mac(key, "HELLO", {**fields, "addr": "tcp://127.0.0.1:2"}, b"meta") != mac
+    assert wire.handshake_mac(key, "HELLO", fields, b"other") != mac
+    assert wire.handshake_mac(b"x" * 32, "HELLO", fields, b"meta") != mac
+    assert wire.handshake_mac(key, "HELLO_ACK", fields, b"meta") != mac
+
+
+def test_mermaid_draws_every_row() -> None:
+    text = wire.mermaid(wire.CLAIM_TABLE)
+    assert text.startswith("stateDiagram-v2")
+    for row in wire.CLAIM_TABLE.rows:
+        assert row.input in text
