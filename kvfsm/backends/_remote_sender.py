@@ -125,7 +125,6 @@ class SenderSide(WriterThread):
                 session = None
                 evicted = []
             for old in evicted:
-                self.transport.stats.sessions_evicted += 1
                 self._lose(old, "evicted: too many unconfirmed sessions", fire)
             if session is not None:
                 session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
