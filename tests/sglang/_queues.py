@@ -191,7 +191,11 @@ def outcome(req: Any) -> str:
     return "-" if reason is None else type(reason).__name__
 
 
-class MetadataSlots(utils.ReqToMetadataIdxAllocator):  # type: ignore[misc]
+_Allocator: Any = utils.ReqToMetadataIdxAllocator
+_PrefillMixin: Any = prefill_mod.SchedulerDisaggregationPrefillMixin
+
+
+class MetadataSlots(_Allocator):  # type: ignore[misc]
     """SGLang's metadata slot allocator, logging every slot taken and freed."""
 
     def __init__(self, size: int, log: list[tuple[Any, ...]]) -> None:
@@ -306,7 +310,7 @@ class _Host:
         self.abort_request(io_struct.AbortReq(rid=rid))
 
 
-class PrefillHost(_Host, prefill_mod.SchedulerDisaggregationPrefillMixin):  # type: ignore[misc]
+class PrefillHost(_Host, _PrefillMixin):  # type: ignore[misc]
     """The prefill scheduler: SGLang's prefill mixin methods on stand-in state."""
 
     def __init__(self, log: list[tuple[Any, ...]], group: Any, page_size: int) -> None:
@@ -334,6 +338,8 @@ class DecodeHost(_Host):
         self.kv_checksum_computer = None
         self.spec_algorithm = SimpleNamespace(is_none=lambda: True)
         self.batch_result_processor = mock.MagicMock()
+        self.disagg_decode_prealloc_queue: Any = None
+        self.disagg_decode_transfer_queue: Any = None
 
 
 # -- the worlds ------------------------------------------------------------------------------
@@ -558,9 +564,9 @@ def patched_sglang(log: list[tuple[Any, ...]], classes: dict[Any, dict[Any, Any]
             stack.enter_context(mock.patch.object(target, "get_kv_class", get_kv_class))
         for target in (prefill_mod, decode_mod, scheduler_mod):
             stack.enter_context(mock.patch.object(target, "release_kv_cache", release))
-        stack.enter_context(mock.patch.object(prefill_mod, "checkpoint_kv_cache", lambda req, cache: None))
-        stack.enter_context(mock.patch.object(decode_mod, "ensure_mamba_capacity", lambda *args: True))
-        stack.enter_context(mock.patch.object(scheduler_mod, "_make_abort_req", lambda req, finished_reason=None: None))
+        stack.enter_context(mock.patch.object(prefill_mod, "checkpoint_kv_cache", return_value=None))
+        stack.enter_context(mock.patch.object(decode_mod, "ensure_mamba_capacity", return_value=True))
+        stack.enter_context(mock.patch.object(scheduler_mod, "_make_abort_req", return_value=None))
         yield
 
 

@@ -353,8 +353,10 @@ class MooncakeLikeManager:
     enable_deferred_decode_kv_release = True
     supports_deferred_decode_kv_release = True
     supports_host_destination = False
-    prefill_info_table: dict[str, Any] = {}
-    kv_args = q.kv_args()
+
+    def __init__(self) -> None:
+        self.prefill_info_table: dict[str, Any] = {}
+        self.kv_args = q.kv_args()
 
     def is_abort_release_safe(self, bootstrap_room: Any, required_acks: int) -> bool:
         return required_acks == 0
