@@ -137,8 +137,9 @@ class PrefillServerInfo:
 
     The decode scheduler reads `dp_size` and `follow_bootstrap_room` to pick
     the prefill DP rank of a request, and `prefill_http_port` to re-run a
-    retracted request's prefill. `ranks` is kvfsm's: the control-plane
-    address of each prefill rank this decode rank pulls from.
+    retracted request's prefill. `ranks` and `addresses` are kvfsm's: the
+    control-plane address of each prefill rank, in rank order and by
+    `(dp_rank, tp_rank, pp_rank)`.
     """
 
     attn_tp_size: int = 1
@@ -151,6 +152,7 @@ class PrefillServerInfo:
     decode_allocation_policy: str = "early"
     prefill_http_port: int | None = None
     ranks: list[str] = dataclasses.field(default_factory=list)
+    addresses: dict[tuple[int, int, int], str] = dataclasses.field(default_factory=dict)
 
 
 def timeout_from_env(name: str, default: float = _DEFAULT_TIMEOUT_S) -> float:
