@@ -349,7 +349,14 @@ class PrefillWorld:
     """A prefill scheduler's bootstrap queue, waiting queue and inflight queue, on SGLang's code."""
 
     def __init__(
-        self, *, manager: Any, log: list[tuple[Any, ...]], group: Any, page_size: int, slots: int, pp_size: int = 1
+        self,
+        *,
+        manager: Any = None,
+        log: list[tuple[Any, ...]],
+        group: Any,
+        page_size: int,
+        slots: int,
+        pp_size: int = 1,
     ) -> None:
         self.log = log
         self.host = host = PrefillHost(log, group, page_size)
@@ -373,16 +380,23 @@ class PrefillWorld:
         queue.max_total_num_tokens = queue.max_input_len = MAX_TOKENS
         queue.transfer_backend = TransferBackend.FAKE
         queue.pp_poll_sync_work_list = []
-        queue.kv_manager = manager
         queue.kv_checksum_signature = 0
         host.disagg_prefill_bootstrap_queue = queue
         host.pp_group = SimpleNamespace(send_object=lambda *a, **k: [], recv_object=lambda *a, **k: None)
         host.tree_cache = TreeCache(log)
         self.queue = queue
+        self.set_manager(manager)
         self.reqs: dict[str, Any] = {}
+        #: Called with (request, token slots) once its prefill computed its KV (a test writes the KV there).
+        self.computed: Callable[[Any, torch.Tensor], None] = lambda req, slots: None
 
-    def add(self, rid: str, prompt_len: int, room: int | None) -> Any:
-        req = Req(rid, prompt_len, room)
+    def set_manager(self, manager: Any) -> None:
+        """The KV manager the queue's `_init_kv_manager` would have built (it may need `metadata_buffers`)."""
+        self.manager = manager
+        self.queue.kv_manager = manager
+
+    def add(self, rid: str, prompt_len: int, room: int | None, host: str = FAKE_HOST, port: int = 0) -> Any:
+        req = Req(rid, prompt_len, room, host, port)
         self.reqs[rid] = req
         self.queue.add(req, num_kv_heads=1)
         return req
@@ -403,7 +417,8 @@ class PrefillWorld:
         """Prefill `rid` from the waiting queue: each middle chunk is sent as it completes, then the last."""
         req = self.reqs[rid]
         self.host.waiting_queue.remove(req)
-        self.host.pool.place(req, len(req.origin_input_ids))
+        slots = self.host.pool.place(req, len(req.origin_input_ids))
+        self.computed(req, slots)
         for end in chunk_ends:
             req.extend_end = end
             self.host.send_kv_chunk(req)
@@ -434,7 +449,7 @@ class DecodeWorld:
     def __init__(
         self,
         *,
-        manager: Any,
+        manager: Any = None,
         log: list[tuple[Any, ...]],
         group: Any,
         page_size: int,
@@ -500,7 +515,6 @@ class DecodeWorld:
         prealloc._ensure_retry_interval = 1.0
         prealloc.held_rebootstrap_reqs = []
         prealloc.enable_staging = False
-        prealloc.kv_manager = manager
         prealloc.kv_checksum_signature = 0
         prealloc.scheduler_stage_metrics = None
         # The allocator's admission arithmetic (SWA, hisparse, radix budgets) is out of scope here.
@@ -514,7 +528,13 @@ class DecodeWorld:
         host.disagg_decode_transfer_queue = transfer
         self.prealloc = prealloc
         self.transfer = transfer
+        self.set_manager(manager)
         self.reqs: dict[str, Any] = {}
+
+    def set_manager(self, manager: Any) -> None:
+        """The KV manager the queue's `_init_kv_manager` would have built (it may need `metadata_buffers`)."""
+        self.manager = manager
+        self.prealloc.kv_manager = manager
 
     def _pre_alloc(self, req: Any, prefix_indices: Any = None, prefix_len: int = 0, total_prefix_len: int = 0) -> Any:
         self.log.append(("prealloc", req.rid))

@@ -130,6 +130,11 @@ class KVTransferError(_errors.KVTransferError):
             return "no reason recorded"
         return self.reason.message or str(self.reason)
 
+    def __str__(self) -> str:
+        # SGLang's form (its scheduler puts it in the client's abort message).
+        detail = self._message if self._message is not None else (self.reason or "no reason recorded")
+        return f"KVTransferError(bootstrap_room={self.room!r}): {detail}"
+
 
 @dataclasses.dataclass
 class PrefillServerInfo:
