@@ -262,6 +262,13 @@ class TokenPool:
         return slots
 
 
+def metadata_buffers(slots: int) -> Any:
+    """SGLang's own metadata slots (first output token, cached tokens, room, ...), on CPU."""
+    return utils.MetadataBuffers(
+        size=max(slots, 1), hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
+    )
+
+
 def _release_recorder(log: list[tuple[Any, ...]]) -> Callable[..., None]:
     def release_kv_cache(req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
         if req.kv.holds_kv:
@@ -360,9 +367,7 @@ class PrefillWorld:
     ) -> None:
         self.log = log
         self.host = host = PrefillHost(log, group, page_size)
-        self.metadata_buffers = utils.MetadataBuffers(
-            size=max(slots, 1), hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
-        )
+        self.metadata_buffers = metadata_buffers(slots)
         host.disagg_metadata_buffers = self.metadata_buffers
         host.req_to_metadata_buffer_idx_allocator = MetadataSlots(slots, log)
         queue = prefill_mod.PrefillBootstrapQueue.__new__(prefill_mod.PrefillBootstrapQueue)
@@ -459,9 +464,7 @@ class DecodeWorld:
     ) -> None:
         self.log = log
         self.host = host = DecodeHost(log, group)
-        self.metadata_buffers = utils.MetadataBuffers(
-            size=max(slots, 1), hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
-        )
+        self.metadata_buffers = metadata_buffers(slots)
         self.slots = MetadataSlots(slots, log)
         self.pool = TokenPool(page_size)
 

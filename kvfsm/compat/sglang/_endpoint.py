@@ -83,8 +83,8 @@ class _Endpoint:
     handle: TransferHandle
     _closed_reason: FailureReason | None
     _close_room: Callable[[TransferHandle], None]
-    #: The scheduler aborted this request after its room reached Success.
-    _aborted_after_success: bool
+    #: Why the request concluded Failed although its room reached Success (an abort, another rank's failure).
+    _failed_over_success: FailureReason | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,7 +95,7 @@ class _Endpoint:
     def _bind(self, handle: TransferHandle, orphans: Orphanage) -> None:
         self.handle = handle
         self._closed_reason = None
-        self._aborted_after_success = False
+        self._failed_over_success = None
         self._close_room = orphans.close
         # A request the scheduler drops without clear() must not pin its room.
         # (A finalizer keeps itself alive until it runs: no reference to hold.)
@@ -107,7 +107,7 @@ class _Endpoint:
     @property
     def conclude_state(self) -> KVPoll | None:
         """The final state once the request concluded, else None (read-only, from the machine)."""
-        if self._aborted_after_success:
+        if self._failed_over_success is not None:
             return KVPoll.Failed
         state = self.handle.state
         return state if state in TERMINAL else None
@@ -126,7 +126,7 @@ class _Endpoint:
 
     def poll(self) -> KVPoll:
         """The request's state, after enforcing due deadlines. Never raises for a cleared room."""
-        if self._aborted_after_success:
+        if self._failed_over_success is not None:
             return KVPoll.Failed
         handle = self.handle
         if not handle.closed:
@@ -153,19 +153,20 @@ class _Endpoint:
         As in SGLang's Mooncake backend, a rank asked this while its own
         room had not failed (the all-reduce said another rank failed) fails
         its room now with a reason marked `from_peer`, and the error's
-        `is_from_another_rank` is true. A request aborted after its room
-        reached Success reports that abort.
+        `is_from_another_rank` is true; if its room had already succeeded,
+        the room keeps its Success and this request answers Failed from now
+        on, as after an abort (which it reports, if that is what happened).
         """
         handle = self.handle
-        if self._aborted_after_success:
-            reason: FailureReason | None = FailureReason(FailureKind.ABORTED, ABORT_MESSAGE, KVPoll.Success)
+        if not handle.is_terminal:
+            handle.fail(FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, from_peer=True))
+        if self._failed_over_success is not None:
+            reason: FailureReason | None = self._failed_over_success
+        elif handle.state is KVPoll.Failed:
+            reason = handle.reason if not handle.closed else self._closed_reason
         else:
-            if not handle.is_terminal:
-                handle.fail(FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, from_peer=True))
-            if handle.state is KVPoll.Failed:
-                reason = handle.reason if not handle.closed else self._closed_reason
-            else:
-                reason = FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, handle.state, from_peer=True)
+            reason = FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, handle.state, from_peer=True)
+            self._failed_over_success = reason
         self._after_failure_exception()
         raise KVTransferError(self.bootstrap_room, reason, self.failure_text(reason))
 
@@ -214,8 +215,8 @@ class _Endpoint:
         handle = self.handle
         if not handle.is_terminal:
             handle.abort(ABORT_MESSAGE)
-        if handle.state is KVPoll.Success:
-            self._aborted_after_success = True
+        if handle.state is KVPoll.Success and self._failed_over_success is None:
+            self._failed_over_success = FailureReason(FailureKind.ABORTED, ABORT_MESSAGE, KVPoll.Success)
 
     def clear(self) -> None:
         """Close the room (aborting it if still in flight). `poll()` keeps returning its final state."""

@@ -119,19 +119,31 @@ def _heartbeat_config(host: str) -> RemoteConfig:
     return RemoteConfig(host=host, heartbeat_interval=interval, heartbeat_misses=max(misses, 1))
 
 
-def _forget_lost_prefills(manager: MooncakeKVManager) -> Callable[[StateChange], None]:
-    """An observer: a room failed because its prefill was lost, so that prefill is looked up anew."""
+def _track_prefills(manager: MooncakeKVManager) -> Callable[[StateChange], None]:
+    """An observer of the decode rooms: which prefill each belongs to, and which prefills were lost.
+
+    A room that failed because its prefill was lost (or never answered)
+    drops that prefill from `prefill_info_table`, so the next request asks
+    the bootstrap server again; a closed room is forgotten (by generation:
+    the room id may already be open again).
+    """
     ref = weakref.ref(manager)
 
     def observe(change: StateChange) -> None:
         target = ref()
-        reason = change.reason
-        if target is None or change.dest is not KVPoll.Failed or reason is None:
+        if target is None:
             return
-        if reason.kind in (FailureKind.PEER_LOST, FailureKind.BOOTSTRAP_ERROR):
-            addr = target.room_prefill.get(change.room)
-            if addr is not None and target.prefill_info_table.pop(addr, None) is not None:
-                logger.warning("kvfsm: lost prefill server %s; it will be looked up again", addr)
+        entry = target.room_prefill.get(change.room)
+        if entry is None or entry[0] != change.generation:
+            return
+        addr = entry[1]
+        if change.event == "close":
+            target.room_prefill.pop(change.room, None)
+            return
+        reason = change.reason
+        lost = reason is not None and reason.kind in (FailureKind.PEER_LOST, FailureKind.BOOTSTRAP_ERROR)
+        if change.dest is KVPoll.Failed and lost and target.prefill_info_table.pop(addr, None) is not None:
+            logger.warning("kvfsm: lost prefill server %s; it will be looked up again", addr)
 
     return observe
 
@@ -193,8 +205,8 @@ class MooncakeKVManager(KVManager):
                 transferring=None,
                 drain=timeout_from_env(DEFERRED_RELEASE_TIMEOUT_ENV, 30.0),
             )
-        #: Decode: the `bootstrap_addr` of each open room's prefill server.
-        self.room_prefill: dict[RoomId, str] = {}
+        #: Decode: (generation, `bootstrap_addr` of its prefill server) of each open room.
+        self.room_prefill: dict[RoomId, tuple[int, str]] = {}
         self.tp_size = _int_attr(server_args, "tp_size", 1)
         self.dp_size = _int_attr(server_args, "dp_size", 1)
         self.pp_size = _int_attr(server_args, "pp_size", 1)
@@ -209,7 +221,7 @@ class MooncakeKVManager(KVManager):
             reaper=reaper,
             backend=self._build_backend,
         )
-        self.transfer_manager.subscribe(_forget_lost_prefills(self))
+        self.transfer_manager.subscribe(_track_prefills(self))
         if self.role is Role.SENDER:
             try:
                 self.register_to_bootstrap()
@@ -342,7 +354,7 @@ class MooncakeKVReceiver(KVReceiver):
             raise TypeError(f"MooncakeKVReceiver needs a MooncakeKVManager; got {type(mgr).__name__}")
         super()._open(mgr, bootstrap_room)
         if bootstrap_room is not None:
-            mgr.room_prefill[bootstrap_room] = self.bootstrap_addr
+            mgr.room_prefill[bootstrap_room] = (self.handle.generation, self.bootstrap_addr)
 
     def _prefill_peer(self, manager: KVManager) -> str | None:
         assert isinstance(manager, MooncakeKVManager)
@@ -377,9 +389,3 @@ class MooncakeKVReceiver(KVReceiver):
         if reason is not None and reason.kind is FailureKind.PEER_LOST:
             return f"Lost connection with prefill instance (bootstrap_addr: {self.bootstrap_addr}): {reason.message}"
         return None
-
-    def clear(self) -> None:
-        super().clear()
-        manager = self.kv_mgr
-        if isinstance(manager, MooncakeKVManager) and self.bootstrap_room is not None:
-            manager.room_prefill.pop(self.bootstrap_room, None)

@@ -315,3 +315,18 @@ def test_teardown_releases_everything_for_a_role_switch() -> None:
     assert not manager.transfer_manager.reaper_running
     assert manager.backend is not None and manager.backend._closed
     assert manager.should_verify_kv_checksum(ADDR)
+
+
+def test_another_ranks_failure_after_success_fails_this_request_too(decode: sglang.KVManager) -> None:
+    """The MIN all-reduce said Failed (another rank failed) although this rank's room succeeded."""
+    receiver = sglang.KVReceiver(decode, ADDR, 13)
+    decode.update_status(13, KVPoll.Success)
+    with pytest.raises(sglang.KVTransferError) as caught:
+        receiver.failure_exception()
+    assert caught.value.is_from_another_rank
+    assert (receiver.poll(), receiver.conclude_state) == (KVPoll.Failed, KVPoll.Failed)
+    assert decode.check_status(13) is KVPoll.Success
+    receiver.abort()  # a later abort keeps the first reason
+    with pytest.raises(sglang.KVTransferError) as again:
+        receiver.failure_exception()
+    assert again.value.reason is caught.value.reason
