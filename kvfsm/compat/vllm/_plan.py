@@ -19,10 +19,11 @@ decode's loads):
     Failed            the decode request finished first (abort: the workers are
                       told) or its load failed
 
-A notice closes the room. A second notice for it, or one for a request
-that never had a room, finds no open room: it is dropped from the output
-before vLLM's scheduler sees it, counted (`stats.absorbed_notices`) and
-logged, never raised. The decode's abort goes through the machine
+A notice closes the room. A second notice for it, one for a request
+that never had a room, or one from before the hand-off (no worker knew of
+the request yet, so it cannot be a genuine report) is dropped from the
+output before vLLM's scheduler sees it, counted (`stats.absorbed_notices`)
+and logged, never raised. The decode's abort goes through the machine
 (`handle.abort`), so a notice arriving after it is a late event that cannot
 turn the room back into a success.
 
@@ -132,6 +133,8 @@ class SchedulerHalf:
         # Transfer rooms of the loads still open: a second load of the same prefill request waits.
         self._sources: set[str] = set()
         self._plan = StepPlan()
+        # Rooms planned this step: handed to the workers by the next `build`.
+        self._handoff: list[TransferHandle] = []
 
     # -- decode: matching and allocation ---------------------------------------------------
 
@@ -203,6 +206,7 @@ class SchedulerHalf:
             return
         self.stats.loads += 1
         self._loads[request_id] = _Load(handle, room, frozenset(blocks))
+        self._handoff.append(handle)
         if problem is None:
             self._sources.add(room)
         self._plan.recv.append(RecvSpec(request_id, room, source, tuple(blocks), problem=problem))
@@ -254,6 +258,7 @@ class SchedulerHalf:
             return False, None
         self.stats.holds += 1
         self._held[request_id] = handle
+        self._handoff.append(handle)
         self._plan.send.append(SendSpec(request_id, room, tuple(block_ids)))
         return True, params
 
@@ -275,8 +280,7 @@ class SchedulerHalf:
     def build(self) -> StepPlan:
         """`build_connector_meta`: hand this step's work to the workers."""
         plan, self._plan = self._plan, StepPlan()
-        handed = [self.decode.get(s.request_id) for s in plan.recv if not s.release_only]
-        handed += [self.prefill.get(s.request_id) for s in plan.send]
+        handed, self._handoff = self._handoff, []
         for handle in handed:
             if handle.state is KVPoll.Bootstrapping:
                 handle.bootstrapped()
@@ -294,10 +298,11 @@ class SchedulerHalf:
         invalid = set(invalid_block_ids)
         recving: set[str] = set()
         for request_id in finished_recving or ():
-            load = self._loads.pop(request_id, None)
-            if load is None:
+            load = self._loads.get(request_id)
+            if load is None or load.handle.state is KVPoll.Bootstrapping:
                 self._absorb("finished_recving", request_id, self.decode)
                 continue
+            del self._loads[request_id]
             handle = load.handle
             if request_id in failed or not invalid.isdisjoint(load.blocks):
                 handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the workers reported a failed load"))
@@ -309,10 +314,11 @@ class SchedulerHalf:
             recving.add(request_id)
         sending: set[str] = set()
         for request_id in finished_sending or ():
-            held = self._held.pop(request_id, None)
-            if held is None:
+            held = self._held.get(request_id)
+            if held is None or held.state is KVPoll.Bootstrapping:
                 self._absorb("finished_sending", request_id, self.prefill)
                 continue
+            del self._held[request_id]
             held.transfer_started()
             held.transfer_done()
             self.prefill.close(request_id)
@@ -321,7 +327,7 @@ class SchedulerHalf:
 
     def _absorb(self, kind: str, request_id: str, manager: TransferManager) -> None:
         self.stats.absorbed_notices += 1
-        why = "the connector does not hold it"
+        why = "the workers were not told of it yet: a notice from before its hand-off"
         try:
             manager.get(request_id)
         except UnknownRoom as exc:  # says whether it was closed or never opened
