@@ -60,10 +60,10 @@ def vllm_config(
     transfer = KVTransferConfig(
         kv_connector=connector,
         kv_connector_module_path=module,
-        kv_role=kv_role,  # type: ignore[arg-type]
+        kv_role=kv_role,  # type: ignore[arg-type,unused-ignore]
         engine_id=engine_id,
         kv_connector_extra_config=extra or {},
-        kv_load_failure_policy=policy,  # type: ignore[arg-type]
+        kv_load_failure_policy=policy,  # type: ignore[arg-type,unused-ignore]
     )
     config = VllmConfig(
         model_config=model,
@@ -167,7 +167,7 @@ class Engine:
         worker = self.worker
         assert output.kv_connector_metadata is not None
         worker.bind_connector_metadata(output.kv_connector_metadata)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.start_load_kv(None)  # type: ignore[arg-type,unused-ignore]
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         errors = worker.get_block_ids_with_load_errors()
