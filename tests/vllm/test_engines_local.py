@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from . import _env
 
@@ -110,7 +111,7 @@ def test_a_decode_with_a_cached_prefix_loads_only_the_tail(
 
     monkeypatch.setattr(receiver, "expect", spy)
     prefix = list(range(500, 500 + 2 * BLOCK_SIZE))
-    first, second = prefix + [1, 2, 3], prefix + [7, 8, 9, 10]
+    first, second = [*prefix, 1, 2, 3], [*prefix, 7, 8, 9, 10]
     for name, tokens in (("a", first), ("b", second)):
         params = prefill(p, f"p-{name}", tokens)
         request = d.add(make_request(f"d-{name}", tokens, max_tokens=2, params=params))
@@ -175,10 +176,8 @@ def test_unusable_params_make_the_decode_compute_locally(engines: Callable[..., 
 
 def test_a_hybrid_kv_cache_is_refused_with_the_way_out() -> None:
     config = vllm_config("kv_consumer", engine_id="e")
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=__import__("torch").float32)
-    window = SlidingWindowSpec(
-        block_size=16, num_kv_heads=1, head_size=8, dtype=__import__("torch").float32, sliding_window=64
-    )
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=64)
     groups = [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)]
     with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
         KVFSMConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(10, [], groups))
@@ -186,7 +185,7 @@ def test_a_hybrid_kv_cache_is_refused_with_the_way_out() -> None:
 
 def test_unknown_settings_are_refused_at_start() -> None:
     config = vllm_config("kv_consumer", engine_id="e", extra={"hold_timout": 5})
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=__import__("torch").float32)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
     with pytest.raises(ConfigError, match="hold_timout"):
         KVFSMConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(10, [], [KVCacheGroupSpec(["a"], spec)]))
 
