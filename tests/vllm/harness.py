@@ -32,7 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvfsm.compat.vllm import KVFSMConnector
@@ -195,21 +195,7 @@ class Engine:
                     self.kv[name][blocks[block], :, slot] = pattern([prompt[position]], layer)[:, 0]
 
     def _model_output(self, output: SchedulerOutput, connector_output: KVConnectorOutput) -> ModelRunnerOutput:
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for request_id in req_ids:
-            request = self.scheduler.requests[request_id]
-            # A chunk that ends before the prompt does samples nothing.
-            sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=connector_output,
-        )
+        return model_output(self.scheduler, output, connector_output)
 
     def blocks_of(self, request_id: str) -> list[int]:
         (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
@@ -228,21 +214,59 @@ class Engine:
         return wrong
 
     def empty(self) -> bool:
-        """No request, no held block, every block back in the free queue (vLLM's `assert_scheduler_empty`)."""
-        scheduler = self.scheduler
-        pool = scheduler.kv_cache_manager.block_pool
-        return (
-            not scheduler.requests
-            and not scheduler.running
-            and len(scheduler.waiting) == 0
-            and len(scheduler.kv_holding_waiting) == 0
-            and pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
-            and all(block.ref_cnt == 0 for block in pool.blocks)
-        )
+        return scheduler_empty(self.scheduler)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+def scheduler(kv_role: str, *, connector: str, module: str | None, num_blocks: int = 64) -> Scheduler:
+    """A bare vLLM scheduler with `connector` (as vLLM's scheduler-side unit tests build one)."""
+    config = vllm_config(kv_role, engine_id=f"{kv_role}-bare", connector=connector, module=module)
+    config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(num_blocks),
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def scheduler_empty(scheduler: Scheduler) -> bool:
+    """No request, no held block, every block back in the free queue (vLLM's `assert_scheduler_empty`)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return (
+        not scheduler.requests
+        and not scheduler.running
+        and len(scheduler.waiting) == 0
+        and len(scheduler.kv_holding_waiting) == 0
+        and pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+        and all(block.ref_cnt == 0 for block in pool.blocks)
+    )
+
+
+def model_output(
+    scheduler: Scheduler, output: SchedulerOutput, connector_output: KVConnectorOutput | None = None
+) -> ModelRunnerOutput:
+    """The model runner's output for `output`: one token per request whose prompt is done."""
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for request_id in req_ids:
+        request = scheduler.requests.get(request_id)
+        # A chunk that ends before the prompt samples nothing (a request aborted meanwhile: anything).
+        done = request is None or request.num_computed_tokens >= request.num_prompt_tokens
+        sampled.append([7] if done else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=connector_output,
+    )
 
 
 def run_until(engines: Iterable[Engine], done: Callable[[], bool], *, steps: int = 5000, pause: float = 0.001) -> int:
@@ -255,7 +279,3 @@ def run_until(engines: Iterable[Engine], done: Callable[[], bool], *, steps: int
             engine.step()
         time.sleep(pause)
     raise AssertionError(f"not done after {steps} rounds")
-
-
-def status(request: Request) -> RequestStatus:
-    return request.status
