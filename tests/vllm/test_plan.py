@@ -36,9 +36,9 @@ def test_a_finished_prefill_is_held_until_its_one_notice() -> None:
     step = plan.build()
     assert step.send == [SendSpec("r1", "E/r1", (4, 5))] and not step.recv and not step.abort
     assert plan.prefill.status("r1") is KVPoll.WaitingForInput
-    assert plan.has_pending_block_frees()
+    assert plan.held == frozenset({"r1"})
     assert plan.notices({"r1"}, None) == ({"r1"}, set())
-    assert plan.held == frozenset() and not plan.has_pending_block_frees()
+    assert plan.held == frozenset()
     # The same notice again (a stale worker's, an expiry racing the decode's read): dropped.
     assert plan.notices({"r1"}, None) == (set(), set())
     assert plan.stats.absorbed_notices == 1
@@ -149,7 +149,6 @@ def test_an_abort_while_loading_reaches_the_workers_and_the_notice_still_frees()
     assert plan.request_finished("d1", {"do_remote_prefill": False}, finished_ok=False, block_ids=[]) == (False, None)
     assert plan.build().abort == [AbortSpec("d1", "vLLM finished the request before its KV arrived")]
     assert plan.decode.failure("d1") is not None
-    assert plan.has_pending_block_frees()
     # Finishing again (vLLM calls once, but never mind) queues nothing more.
     plan.request_finished("d1", {"do_remote_prefill": False}, finished_ok=False, block_ids=[])
     assert not plan.build()

@@ -10,7 +10,6 @@ scheduler role (`_plan.SchedulerHalf`)
     build_connector_meta         this step's `StepPlan` for the workers
     request_finished(_all_groups) hold a prefill's blocks; abort a decode's load
     update_connector_output      pass on each held request's notice once
-    has_pending_block_frees      held blocks will come back without preempting
 
 worker role (`_worker.WorkerHalf`)
     register_kv_caches           one kvfsm page per vLLM block, backends started
@@ -192,9 +191,6 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[0] if block_ids else [])
-
-    def has_pending_block_frees(self) -> bool:
-        return self._scheduler().has_pending_block_frees()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)

@@ -334,10 +334,6 @@ class SchedulerHalf:
             why = exc.detail
         logger.warning("kvfsm: %s for request %s dropped: %s", kind, request_id, why)
 
-    def has_pending_block_frees(self) -> bool:
-        """Held prefill blocks and aborted loads will be freed without preempting anyone."""
-        return bool(self._held) or self.decode.counts()[KVPoll.Failed] > 0
-
     @property
     def held(self) -> frozenset[str]:
         """Requests whose blocks the connector holds now (prefill holds and decode loads)."""
