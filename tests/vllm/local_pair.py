@@ -1,4 +1,7 @@
-"""A prefill and a decode worker half of the vLLM connector on kvfsm's LocalBackend (no vLLM).
+"""A prefill and a decode worker half of the vLLM connector, in one process (no vLLM).
+
+On kvfsm's LocalBackend by default; `backend="mooncake"` (with a free
+`port`) runs both endpoints over Mooncake on 127.0.0.1.
 
 `Pair` plans rooms on both halves the way the scheduler half would and
 collects what each reports per poll, failing if a room is reported twice;
@@ -47,11 +50,11 @@ def caches(seed: int | None = None) -> dict[str, Any]:
 
 
 class Pair:
-    """A prefill and a decode worker half, one rank each, on the local backend."""
+    """A prefill and a decode worker half, one rank each."""
 
     def __init__(self, clock: Clock, tp_rank: int = 0, engine: str | None = None, **extra: Any) -> None:
         self.engine = engine or new_engine_id()
-        config = ConnectorConfig.from_extra({"backend": "local", **extra})
+        config = self.config = ConnectorConfig.from_extra({"backend": "local", **extra})
         common: dict[str, Any] = {"tp_rank": tp_rank, "num_blocks": BLOCKS, "clock": clock}
         self.prefill = WorkerHalf(config, engine_id=self.engine, producer=True, consumer=False, **common)
         self.decode = WorkerHalf(config, engine_id="decode", producer=False, consumer=True, **common)
@@ -64,7 +67,7 @@ class Pair:
         self.errors: set[int] = set()
 
     def source(self, request: str, blocks: tuple[int, ...]) -> RemoteSource:
-        return RemoteSource(self.engine, request, "127.0.0.1", 1, blocks, 1)
+        return RemoteSource(self.engine, request, self.config.host, self.config.port, blocks, 1)
 
     def plan(self, request: str, src: tuple[int, ...], dst: tuple[int, ...], **recv: Any) -> None:
         room = f"{self.engine}/{request}"

@@ -48,6 +48,24 @@ def test_a_decode_with_a_cached_prefix_gets_the_tail(pair: Pair) -> None:
     assert not same(block(pair.p_kv, 5), block(pair.d_kv, 9))
 
 
+def test_over_mooncake_too(clock: Clock) -> None:
+    from ..integration.remote_peer import engine_missing, free_port
+
+    missing = engine_missing("mooncake")
+    if missing:
+        pytest.skip(missing)
+    pair = Pair(clock, backend="mooncake", port=free_port(), heartbeat_interval=0.1)
+    try:
+        pair.plan("whole", src=(5, 6, 7), dst=(1, 2, 3))
+        pair.plan("tail", src=(8, 9, 10), dst=(11, 12))
+        pair.until(lambda: pair.sent == {"whole", "tail"} and pair.recvd == {"d-whole", "d-tail"}, steps=10000)
+        assert not pair.failed
+        for src, dst in ((5, 1), (6, 2), (7, 3), (9, 11), (10, 12)):
+            assert same(block(pair.p_kv, src), block(pair.d_kv, dst))
+    finally:
+        pair.close()
+
+
 def test_a_decode_expecting_more_than_the_prefill_holds_fails_both_at_once(pair: Pair) -> None:
     pair.plan("r", src=(5,), dst=(1, 2))
     pair.until(lambda: "r" in pair.sent and "d-r" in pair.recvd)
@@ -165,13 +183,21 @@ def test_shutdown_fails_live_rooms_and_unregisters(clock: Clock) -> None:
     assert pair.prefill.prefill is not None and pair.prefill.prefill.counts()[KVPoll.Failed] == 1
 
 
-def test_misuse_is_refused(pair: Pair) -> None:
+def test_registering_twice_is_refused(pair: Pair) -> None:
     with pytest.raises(ConfigError, match="called twice"):
         pair.decode.register(pair.d_kv)
-    with pytest.raises(ConfigError, match="not a KV producer"):
-        pair.decode.start(StepPlan(send=[SendSpec("r", "x/r", (1,))]))
-    with pytest.raises(ConfigError, match="not a KV consumer"):
-        pair.prefill.start(StepPlan(recv=[RecvSpec("r", "x/r", None, (1,), problem="p")]))
+
+
+def test_work_for_the_other_role_ends_at_once(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM's scheduler half follows each request's params, whatever the engine's kv_role.
+    pair.decode.start(StepPlan(send=[SendSpec("p", "x/p", (1,))]))
+    pair.prefill.start(
+        StepPlan(recv=[RecvSpec("d", "x/d", None, (2,)), RecvSpec("e", "x/e", None, (), release_only=True)])
+    )
+    assert pair.decode.poll() == ({"p"}, set(), set())
+    assert pair.prefill.poll() == (set(), {"d"}, {"d"}) and pair.prefill.take_load_errors() == {2}
+    assert "not a KV producer" in caplog.text and "not a KV consumer" in caplog.text
+    assert pair.decode.poll() == pair.prefill.poll() == (set(), set(), set())
 
 
 # -- vLLM's KV cache tensors as pools ----------------------------------------------------------

@@ -159,6 +159,8 @@ class WorkerHalf:
         self._sending: dict[str, _Send] = {}
         self._receiving: dict[str, _Recv] = {}
         self._releasing: list[TransferHandle] = []
+        # Reported at the next poll without a room: nothing was or will be sent for them.
+        self._refused_sends: set[str] = set()
         self._refused_loads: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -216,7 +218,14 @@ class WorkerHalf:
 
     def _start_send(self, spec: SendSpec) -> None:
         if self.prefill is None or self.sender is None:
-            raise ConfigError(f"request {spec.request_id}: a send planned for a worker that is not a KV producer")
+            # vLLM's scheduler follows the request's params, not the engine's role (as NIXL's does).
+            logger.error(
+                "kvfsm: request %s asks for a remote decode but this engine is not a KV producer "
+                "(kv_role kv_producer or kv_both): its blocks are freed, its decode's load will fail",
+                spec.request_id,
+            )
+            self._refused_sends.add(spec.request_id)
+            return
         try:
             handle = self.prefill.open(spec.room)
         except DuplicateRoom:
@@ -229,7 +238,15 @@ class WorkerHalf:
 
     def _start_recv(self, spec: RecvSpec) -> None:
         if self.decode is None or self.receiver is None:
-            raise ConfigError(f"request {spec.request_id}: a load planned for a worker that is not a KV consumer")
+            logger.error(
+                "kvfsm: request %s asks for a remote prefill but this engine is not a KV consumer "
+                "(kv_role kv_consumer or kv_both): it is not loaded",
+                spec.request_id,
+            )
+            if not spec.release_only:
+                self._refused_loads.add(spec.request_id)
+                self._load_errors.update(spec.blocks)
+            return
         try:
             handle = self.decode.open(spec.room)
         except DuplicateRoom:
@@ -296,7 +313,7 @@ class WorkerHalf:
         return errors
 
     def _poll_sends(self) -> set[str]:
-        done: set[str] = set()
+        done, self._refused_sends = self._refused_sends, set()
         for request_id, send in list(self._sending.items()):
             handle = send.handle
             state = handle.poll()
