@@ -114,3 +114,17 @@ def test_block_id_forms() -> None:
     assert flat_block_ids([]) == ()
     assert flat_block_ids([[]]) == ()
     assert flat_block_ids(((5, 6),)) == (5, 6)
+
+
+def test_importing_kvfsm_and_the_connector_package_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvfsm, kvfsm.compat, kvfsm.compat.vllm, kvfsm.compat.vllm._plan\n"
+        "heavy = sorted(m for m in ('vllm', 'torch', 'zmq') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert kvfsm.compat.vllm.__all__ == ['KVFSMConnector', 'KVFSMConnectorMetadata']\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
