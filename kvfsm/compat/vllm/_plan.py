@@ -177,7 +177,7 @@ class SchedulerHalf:
         source = parse_source(params, tp_size=self.tp_size)
         if isinstance(source, str):
             self.stats.invalid_params += 1
-            logger.warning("kvfsm: request %s: unusable kv_transfer_params, computing locally: %s", request_id, source)
+            logger.warning("kvfsm: request %s: unusable kv_transfer_params, not loading: %s", request_id, source)
             if num_external_tokens > 0:
                 # vLLM parked it for a load anyway: the load must still end (failed), or it waits forever.
                 self._park(request_id, f"!{request_id}", None, unhashed_blocks, problem=source)
