@@ -96,6 +96,11 @@ class SenderSide(WriterThread):
         for room in [room for room, (t, _, _) in self._pending.items() if now - t > ttl]:
             del self._pending[room]
 
+    def _expected_pages(self, handle: TransferHandle) -> int | None:
+        with self._lock:
+            send_room = self._send_by_room.get(handle.room)
+            return len(send_room.pages) if send_room is not None and send_room.handle is handle else None
+
     def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         with self._lock:
             send_room = self._send_by_room.get(handle.room)
