@@ -234,6 +234,11 @@ class SenderSide(WriterThread):
             self._pending.pop((id(claim.session), (claim.room, claim.gen)), None)
         return claims
 
+    def _expected_pages(self, handle: TransferHandle) -> int | None:
+        with self._lock:
+            claim = self._claim_of.get((handle.room, handle.generation))
+            return None if claim is None else len(claim.pages)
+
     def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         problem = None
         chunk: Chunk | None = None
