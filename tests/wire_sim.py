@@ -222,6 +222,15 @@ class World:
         if not self.prefill._closed:
             self.prefill.pump()
 
+    def quiet_network(self, rounds: int = 3) -> None:
+        """Every frame in flight arrives, in order, and the writer takes them up; writes stay where they are."""
+        for _ in range(rounds):
+            for endpoint in self.endpoints:
+                endpoint.deliver_notices()
+            self.pump()
+            self.net.deliver_all()
+        self.pump()
+
     def settle(self, rounds: int = 50) -> None:
         """Deliver everything (notices too), complete every write, pump, until nothing moves."""
         for _ in range(rounds):

@@ -60,9 +60,9 @@ Fire = list[Callable[[], object]]
 
 #: Seconds a peer that said BYE still counts as present (capped by the heartbeat interval).
 _BYE_GRACE = 0.25
-#: (room, gen) pairs a session remembers after their records were dropped, so a replayed
+#: Claim generations a session remembers after their records were dropped, so a replayed
 #: or duplicated claim of a finished transfer is recognised.
-_SEEN_PER_SESSION = 65536
+_SEEN_PER_SESSION = 16384
 
 
 def _positive(name: str, *, zero: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -116,8 +116,9 @@ class RemoteConfig:
     handshake itself: without it any process that reaches the control port
     can open a session of its own (see the docs' threat model).
     `max_sessions` and `max_half_open` bound sessions (and so sockets);
-    `max_pending` and `max_pending_per_session` bound early claims and
-    aborts held for rooms not bootstrapped yet.
+    `max_pending`, `max_pending_per_session` and `max_pending_pages` bound
+    the early claims and aborts held for rooms not bootstrapped yet (in
+    entries, and in the pages those claims list).
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host)
@@ -131,6 +132,7 @@ class RemoteConfig:
     max_half_open: int = attrs.field(default=16, validator=_count("max_half_open", 1))
     max_pending: int = attrs.field(default=65536, validator=_count("max_pending", 1))
     max_pending_per_session: int = attrs.field(default=4096, validator=_count("max_pending_per_session", 1))
+    max_pending_pages: int = attrs.field(default=1 << 20, validator=_count("max_pending_pages", 1))
 
     @property
     def peer_window(self) -> float:
@@ -161,6 +163,8 @@ class RemoteStats:
     abort_acks_received: int = 0
     peers_lost: int = 0
     sessions_refused: int = 0
+    #: HELLOs dropped because every session this endpoint may hold is confirmed.
+    hellos_dropped: int = 0
 
 
 class Transport(Protocol):
@@ -235,23 +239,28 @@ def step(table: wire.WireTable, record: Any, input: str) -> wire.WireRow | None:
 
 
 class SeenClaims:
-    """The (room, gen) pairs of one session whose records are gone, oldest forgotten first."""
+    """The generations of one session's claims whose records are gone, oldest forgotten first.
 
-    __slots__ = ("_keys", "_order")
+    A decode mints a fresh random generation for every open, so within one
+    session a generation alone names a claim; keeping only the int bounds
+    the memory whatever the room ids (`_SEEN_PER_SESSION` per session).
+    """
+
+    __slots__ = ("_gens", "_order")
 
     def __init__(self) -> None:
-        self._keys: set[tuple[Any, int]] = set()
-        self._order: deque[tuple[Any, int]] = deque()
+        self._gens: set[int] = set()
+        self._order: deque[int] = deque()
 
-    def add(self, key: tuple[Any, int]) -> None:
-        if key not in self._keys:
-            self._keys.add(key)
-            self._order.append(key)
+    def add(self, gen: int) -> None:
+        if gen not in self._gens:
+            self._gens.add(gen)
+            self._order.append(gen)
             if len(self._order) > _SEEN_PER_SESSION:
-                self._keys.discard(self._order.popleft())
+                self._gens.discard(self._order.popleft())
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
+    def __contains__(self, gen: object) -> bool:
+        return gen in self._gens
 
 
 class RemoteEndpoint(KVBackend):
@@ -343,7 +352,10 @@ class RemoteEndpoint(KVBackend):
             if session.refused is not None:
                 self.remote_stats.stale_messages += 1
                 return
+            confirming = session.state is SessionState.HALF_OPEN
             self.sessions.heard(session)
+            if confirming and not self._confirmed(session):
+                return
             if frame.type == "HEARTBEAT":
                 return
             if frame.type == "BYE":
@@ -357,6 +369,10 @@ class RemoteEndpoint(KVBackend):
             self._on_frame(session, frame, fire)
         for event in fire:
             event()
+
+    def _confirmed(self, session: Session) -> bool:
+        """A half-open session's first frame arrived (lock held); False if the session is refused now."""
+        return True
 
     @abc.abstractmethod
     def _on_hello(self, frame: wire.Frame) -> None:

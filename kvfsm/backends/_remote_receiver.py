@@ -39,8 +39,9 @@ __all__ = ["ReceiverSide", "RecvRecord"]
 logger = logging.getLogger("kvfsm.backends.remote")
 
 _D = wire.DecodeWire
-#: States in which the prefill may still write into the room's pages.
-_CLAIMED = frozenset({_D.CLAIMED, _D.RECEIVING})
+#: States in which the prefill may still write into the room's pages (a notifying engine
+#: must be polled then, aborted rooms included, or their writes never end and no ACK comes).
+_WRITABLE = frozenset({_D.CLAIMED, _D.RECEIVING, _D.ABORTING, _D.PEER_ABORTED})
 #: States in which nothing of the prefill can land any more: release-safe once failed.
 _QUIET = frozenset({_D.SETTLED, _D.UNTOLD, _D.DONE})
 #: While a notifying engine may be writing into us, poll it this often (seconds).
@@ -78,7 +79,7 @@ class ReceiverSide(RemoteEndpoint):
     """Bootstrap, expect, stop and the frames of a decode endpoint."""
 
     _recv_by_handle: dict[tuple[Any, int], RecvRecord]
-    # Records the prefill may be writing into (a notifying engine is polled while any is).
+    # Records the prefill may be writing into (`_WRITABLE`; the engine is polled while any is).
     _claimed: set[RecvRecord]
 
     def _init_receiver(self) -> None:
@@ -92,20 +93,35 @@ class ReceiverSide(RemoteEndpoint):
         with self._lock:
             session = self.sessions.find_up(peer_addr)
             if session is None:
-                session = self._open_session(peer_addr, fire)
-            rec = RecvRecord(handle, session)
-            step(wire.DECODE_TABLE, rec, "bootstrap")
-            session.records[rec.gen] = rec
-            self._recv_by_handle[(handle.room, handle.generation)] = rec
-            if session.state is SessionState.UP:
-                step(wire.DECODE_TABLE, rec, "session_up")
-                fire.append(handle.bootstrapped)
+                try:
+                    session = self._open_session(peer_addr, fire)
+                except (OverflowError, ValueError) as exc:
+                    reason = FailureReason(
+                        FailureKind.BOOTSTRAP_ERROR, f"no session with the prefill at {peer_addr!r:.200}: {exc}"
+                    )
+                    fire.append(functools.partial(handle.fail, reason))
+            if session is not None:
+                rec = RecvRecord(handle, session)
+                step(wire.DECODE_TABLE, rec, "bootstrap")
+                session.records[rec.gen] = rec
+                self._recv_by_handle[(handle.room, handle.generation)] = rec
+                if session.state is SessionState.UP:
+                    step(wire.DECODE_TABLE, rec, "session_up")
+                    fire.append(handle.bootstrapped)
         for event in fire:
             event()
 
     def _open_session(self, addr: str, fire: Fire) -> Session:
-        session, _evicted = self.sessions.open(addr, SessionState.HANDSHAKE)
-        session.channel = self.transport.connect(addr)
+        try:
+            channel = self.transport.connect(addr)
+        except Exception as exc:  # ZeroMQ refuses an address it cannot parse
+            raise ValueError(f"cannot connect: {exc}") from None
+        try:
+            session, _evicted = self.sessions.open(addr, SessionState.HANDSHAKE)
+        except OverflowError:
+            self.transport.close_channel(channel)
+            raise
+        session.channel = channel
         fields, blob = self._session_fields()
         hello: dict[str, Any] = {
             "addr": self.address,
@@ -131,7 +147,7 @@ class ReceiverSide(RemoteEndpoint):
                 rec.pages, rec.aux = pages, aux_index
                 row = step(wire.DECODE_TABLE, rec, "expect")
                 if row is not None:
-                    self._claimed.add(rec)
+                    self._track(rec)
                     self._emit(rec.session, row, rec.fields)
         if problem is not None:
             self._reject(handle, problem)
@@ -144,8 +160,7 @@ class ReceiverSide(RemoteEndpoint):
                 if row is not None:
                     self._emit(rec.session, row, rec.fields)
                 quiet = rec.wire in _QUIET
-                if rec.wire not in _CLAIMED:
-                    self._claimed.discard(rec)
+                self._track(rec)
         if rec is None or quiet:
             handle.writes_drained()
 
@@ -188,20 +203,26 @@ class ReceiverSide(RemoteEndpoint):
             return
         row = step(wire.DECODE_TABLE, rec, f"recv {kind}")
         assert row is not None
+        self._track(rec)
         self._emit(session, row, rec.fields)
         handle = rec.handle
         if kind == "CHUNK":
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=False))
         elif kind == "DONE":
-            self._claimed.discard(rec)
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=True))
         elif kind == "ABORT":
             reason = peer_reason(session, frame)
             fire.append(lambda: handle.fail(reason))
         elif kind == "ABORT_ACK":
-            self._claimed.discard(rec)
             self.remote_stats.abort_acks_received += 1
             fire.append(handle.writes_drained)
+
+    def _track(self, rec: RecvRecord) -> None:
+        """Keep `_claimed` in step with the record's wire state (lock held)."""
+        if rec.wire in _WRITABLE:
+            self._claimed.add(rec)
+        else:
+            self._claimed.discard(rec)
 
     def _copy_aux(self, rec: RecvRecord, frame: wire.Frame) -> bool:
         """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
@@ -284,7 +305,7 @@ class ReceiverSide(RemoteEndpoint):
         for rec in list(session.records.values()):
             if step(wire.DECODE_TABLE, rec, "session_lost") is None:
                 continue
-            self._claimed.discard(rec)
+            self._track(rec)
             # Its stop (the echo row) reports it drained if nothing of the prefill can land.
             fire.append(functools.partial(rec.handle.fail, reason))
 

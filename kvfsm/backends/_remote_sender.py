@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 from .._manager import TransferHandle
@@ -65,12 +65,91 @@ class Slot:
         return self.wire is None and not self.early and not self.aborts
 
 
+class Pending:
+    """Early claims and early aborts held for room ids not bootstrapped here yet.
+
+    Fed by the network, so bounded three ways (rule 15): per session
+    (`max_pending_per_session`), in all (`max_pending`) and in the pages
+    the early claims list (`max_pending_pages`); past a bound the oldest
+    entries go first (the session's own, for its bound). Kept in arrival
+    order, which is also expiry order (one time-to-live).
+    """
+
+    def __init__(self, per_session: int, total: int, pages: int) -> None:
+        self.per_session, self.total, self.max_pages = per_session, total, pages
+        self._items: OrderedDict[tuple[int, Any], tuple[float, Slot, Any]] = OrderedDict()
+        # Each session's keys, oldest first; a key removed meanwhile is skipped when met.
+        self._order: dict[int, deque[tuple[int, Any]]] = {}
+        self._count: Counter[int] = Counter()
+        self.pages = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def admit(self, session: Session, pages: int) -> list[tuple[Slot, Any]] | None:
+        """Make room for one more entry of `session` listing `pages` pages.
+
+        Returns the older entries dropped to make it (the caller refuses or
+        forgets them), or None when this one cannot be held at all.
+        """
+        if pages > self.max_pages:
+            return None
+        dropped = []
+        owner = id(session)
+        order = self._order.get(owner)
+        while order and self._count[owner] >= self.per_session:
+            key = order.popleft()
+            if key in self._items:
+                dropped.append(self._pop(key))
+        while self._items and (len(self._items) >= self.total or self.pages + pages > self.max_pages):
+            dropped.append(self._pop(next(iter(self._items))))
+        return dropped
+
+    def add(self, session: Session, key: tuple[Any, int], now: float, slot: Slot, item: Any) -> None:
+        entry, owner = (id(session), key), id(session)
+        self._items[entry] = (now, slot, item)
+        order = self._order.setdefault(owner, deque())
+        order.append(entry)
+        self._count[owner] += 1
+        if len(order) > 2 * self._count[owner] + 16:
+            # Keys removed meanwhile (claims bound at bootstrap) only linger until here: amortised O(1).
+            self._order[owner] = deque(k for k in order if k in self._items)
+        if isinstance(item, Claim):
+            self.pages += len(item.pages)
+
+    def remove(self, session: Session, key: tuple[Any, int]) -> None:
+        if (id(session), key) in self._items:
+            self._pop((id(session), key))
+
+    def expired(self, now: float, ttl: float) -> list[tuple[Slot, Any]]:
+        out = []
+        while self._items:
+            key, (since, _slot, _item) = next(iter(self._items.items()))
+            if now - since <= ttl:
+                break
+            out.append(self._pop(key))
+        return out
+
+    def _pop(self, key: tuple[int, Any]) -> tuple[Slot, Any]:
+        _since, slot, item = self._items.pop(key)
+        owner = key[0]
+        self._count[owner] -= 1
+        if self._count[owner] <= 0:
+            del self._count[owner]
+            self._order.pop(owner, None)
+        if isinstance(item, Claim):
+            self.pages -= len(item.pages)
+        return slot, item
+
+
 class SenderSide(WriterThread):
     """HELLO, ROOM and ABORT at a prefill, and its scheduler's bootstrap, send, stop and close."""
 
     _slots: dict[Any, Slot]
-    # Early claims and early aborts in arrival order: what expires first, what a flood evicts.
-    _pending: OrderedDict[tuple[int, Any], tuple[float, Slot, Any]]
+    _pending: Pending
     _orphans: OrderedDict[Any, Slot]
     # room id -> the last generation bootstrap() was called for (to recognise one that never was).
     _bootstrapped: OrderedDict[Any, int]
@@ -82,7 +161,8 @@ class SenderSide(WriterThread):
         self._bootstrapped = OrderedDict()
         self._claim_of = {}
         self._slots = {}
-        self._pending = OrderedDict()
+        config = self.config
+        self._pending = Pending(config.max_pending_per_session, config.max_pending, config.max_pending_pages)
         self._orphans = OrderedDict()
         self._work = queue.SimpleQueue()
         self._worker = None
@@ -91,6 +171,13 @@ class SenderSide(WriterThread):
     # -- HELLO --------------------------------------------------------------------------------
 
     def _on_hello_sender(self, frame: wire.Frame) -> None:
+        """A decode's HELLO: answer with a half-open session; its engine peer waits for confirmation.
+
+        Nothing of the engine is touched until the decode proves, with its
+        first frame of the session, that it received our answer at the
+        address it named (`_confirmed`): a HELLO naming someone else's
+        address costs one bounded half-open session and nothing more.
+        """
         if not self._verify_mac("HELLO", frame):
             self.transport.stats.unauthenticated += 1
             return
@@ -107,47 +194,63 @@ class SenderSide(WriterThread):
                 problem = f"bad session: {exc}"
         if problem is None and self.pools is not None and pools is not None:
             problem = self.pools.layout_mismatch(pools)
-        target = None
-        if problem is None:
-            try:
-                target = self.engine.add_peer(frame["session"], frame.blob)
-            except Exception as exc:
-                problem = f"{self.name} could not open the peer's session: {exc}"
+        try:
+            channel = self.transport.connect(frame["addr"])
+        except Exception as exc:  # ZeroMQ refuses an address it cannot parse
+            self.transport.stats.malformed += 1
+            logger.debug("kvfsm %s: HELLO with an unusable address %r dropped: %s", self.name, frame["addr"], exc)
+            return
         fire: Fire = []
         with self._lock:
             try:
                 session, evicted = self.sessions.open(frame["addr"], SessionState.HALF_OPEN)
             except OverflowError as exc:
                 logger.warning("kvfsm %s: HELLO from %s dropped: %s", self.name, frame["addr"], exc)
-                self.transport.stats.sessions_evicted += 1
-                if target is not None:
-                    fire.append(lambda: self.engine.remove_peer(target))
-                session = None
-                evicted = []
+                self.remote_stats.hellos_dropped += 1
+                self.transport.close_channel(channel)
+                return
             for old in evicted:
                 self._lose(old, "evicted: too many unconfirmed sessions", fire)
-            if session is not None:
-                session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
-                session.pools, session.target, session.refused = pools, target, problem
-                session.records = {}
-                self._seen[session.sid] = SeenClaims()
-                session.channel = self.transport.connect(frame["addr"])
-                fields, blob = self._session_fields()
-                ack: dict[str, Any] = {
-                    "reply_sid": session.sid,
-                    "reply_key": session.key,
-                    "role": self.role.value,
-                    "engine": self.name,
-                    "session": fields,
-                    "refused": problem or "",
-                }
-                ack["mac"] = self._mac("HELLO_ACK", {**session.auth, **ack}, blob)
-                self._send_frame(session, "HELLO_ACK", ack, blob)
-                if problem is not None:
-                    self.remote_stats.sessions_refused += 1
-                    logger.warning("kvfsm %s: HELLO from %s refused: %s", self.name, frame["addr"], problem)
+            session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
+            session.pools, session.refused = pools, problem
+            session.hello = (frame["session"], frame.blob)
+            session.records = {}
+            self._seen[session.sid] = SeenClaims()
+            session.channel = channel
+            fields, blob = self._session_fields()
+            ack: dict[str, Any] = {
+                "reply_sid": session.sid,
+                "reply_key": session.key,
+                "role": self.role.value,
+                "engine": self.name,
+                "session": fields,
+                "refused": problem or "",
+            }
+            ack["mac"] = self._mac("HELLO_ACK", {**session.auth, **ack}, blob)
+            self._send_frame(session, "HELLO_ACK", ack, blob)
+            if problem is not None:
+                self.remote_stats.sessions_refused += 1
+                logger.warning("kvfsm %s: HELLO from %s refused: %s", self.name, frame["addr"], problem)
         for event in fire:
             event()
+
+    def _confirmed_sender(self, session: Session) -> bool:
+        """The decode's first frame of `session` arrived: open its engine peer now (lock held)."""
+        if session.hello is None:
+            return True
+        fields, blob = session.hello
+        session.hello = None
+        try:
+            session.target = self.engine.add_peer(fields, blob)
+        except Exception as exc:
+            problem = f"{self.name} could not open the peer's session: {exc}"
+            logger.warning("kvfsm %s: session with %s refused: %s", self.name, session.addr, problem)
+            self.remote_stats.sessions_refused += 1
+            session.refused = problem
+            # The decode believes the session is up; BYE ends it there (its rooms fail as lost).
+            self._send_frame(session, "BYE", {})
+            return False
+        return True
 
     # -- the scheduler's calls ------------------------------------------------------------------
 
@@ -231,7 +334,7 @@ class SenderSide(WriterThread):
     def _take_early(self, slot: Slot) -> list[Claim]:
         claims, slot.early = slot.early, []
         for claim in claims:
-            self._pending.pop((id(claim.session), (claim.room, claim.gen)), None)
+            self._pending.remove(claim.session, (claim.room, claim.gen))
         return claims
 
     def _expected_pages(self, handle: TransferHandle) -> int | None:
@@ -359,7 +462,7 @@ class SenderSide(WriterThread):
                 self._claim_of.pop((claim.room, claim.handle.generation), None)
             seen = self._seen.get(claim.session.sid)
             if seen is not None:
-                seen.add((claim.room, claim.gen))
+                seen.add(claim.gen)
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -375,7 +478,7 @@ class SenderSide(WriterThread):
         room, gen, pages, aux = frame["room"], frame["gen"], frame["pages"], frame["aux"]
         key = (room, gen)
         seen = self._seen.get(session.sid)
-        if key in session.records or (seen is not None and key in seen):
+        if key in session.records or (seen is not None and gen in seen):
             self.remote_stats.stale_messages += 1  # a duplicate or a replay of a finished claim
             return
         claim = Claim(session, room, gen, list(pages), aux)
@@ -415,16 +518,17 @@ class SenderSide(WriterThread):
             self._bind(slot, claim, "recv ROOM: bind")
             fire.append(handle.bootstrapped)
             return
-        if not self._admit_pending(session, key):
+        if not self._admit_pending(session, len(pages)):
             self._refuse_claim(
                 claim, "recv ROOM: refuse", self._bootstrap_error("too many claims wait for this prefill")
             )
             return
         step(wire.CLAIM_TABLE, claim, "recv ROOM: hold")
+        slot = self._slots.get(room)  # admitting may have dropped an older, empty one
         if slot is None:
             slot = self._slots[room] = Slot(room)
         slot.early.append(claim)
-        self._pending[(id(session), key)] = (self._clock_now(), slot, claim)
+        self._pending.add(session, key, self._clock_now(), slot, claim)
 
     def _bootstrap_error(self, text: str) -> FailureReason:
         return FailureReason(FailureKind.BOOTSTRAP_ERROR, text)
@@ -446,13 +550,13 @@ class SenderSide(WriterThread):
         claim.room_closed = True
         self._drop_if_done(claim)
 
-    def _admit_pending(self, session: Session, key: tuple[Any, int]) -> bool:
-        """Room for one more early claim or abort of `session` (lock held); the oldest goes if needed."""
-        mine = sum(1 for (owner, _key) in self._pending if owner == id(session))
-        if mine >= self.config.max_pending_per_session:
+    def _admit_pending(self, session: Session, pages: int) -> bool:
+        """Room for one more early claim (of `pages` pages) or abort of `session` (lock held)."""
+        dropped = self._pending.admit(session, pages)
+        if dropped is None:
+            self.remote_stats.pending_dropped += 1
             return False
-        while len(self._pending) >= self.config.max_pending:
-            (_owner, _key), (_t, slot, item) = self._pending.popitem(last=False)
+        for slot, item in dropped:
             self.remote_stats.pending_dropped += 1
             self._drop_pending(slot, item)
         return True
@@ -474,7 +578,7 @@ class SenderSide(WriterThread):
         reason = peer_reason(session, frame)
         if claim is None:
             seen = self._seen.get(session.sid)
-            if seen is not None and key in seen:
+            if seen is not None and gen in seen:
                 # Its record was dropped only once nothing of it was in flight: provably quiet.
                 self.remote_stats.abort_acks_sent += 1
                 self._send_frame(session, "ABORT_ACK", {"room": room, "gen": gen, "pgen": None})
@@ -493,14 +597,14 @@ class SenderSide(WriterThread):
                 if (id(session), key) in self._pending:
                     self.remote_stats.stale_messages += 1  # a duplicate of an early abort held already
                     return
-                if not self._admit_pending(session, key):
-                    self.remote_stats.pending_dropped += 1
+                if not self._admit_pending(session, 0):
                     return
+                slot = self._slots.get(room)
                 if slot is None:
                     slot = self._slots[room] = Slot(room)
                 item = (session, gen, reason)
                 slot.aborts.append(item)
-                self._pending[(id(session), key)] = (self._clock_now(), slot, item)
+                self._pending.add(session, key, self._clock_now(), slot, item)
             return
         if frame["pgen"] is not None and claim.pgen is not None and frame["pgen"] != claim.pgen:
             self.remote_stats.wrong_generation += 1
@@ -512,12 +616,12 @@ class SenderSide(WriterThread):
             return
         if before is _C.EARLY:
             slot = self._slots.get(room)
-            self._pending.pop((id(session), key), None)
+            self._pending.remove(session, key)
             if slot is not None and claim in slot.early:
                 slot.early.remove(claim)
                 item = (session, gen, reason)
                 slot.aborts.append(item)
-                self._pending[(id(session), key)] = (self._clock_now(), slot, item)
+                self._pending.add(session, key, self._clock_now(), slot, item)
         drained = self._fail_claim(claim, "recv ABORT", None)
         handle = claim.handle
         if handle is not None and before in (_C.BOUND, _C.WRITING):
@@ -536,7 +640,7 @@ class SenderSide(WriterThread):
             before = claim.wire
             if before is _C.EARLY:
                 slot = self._slots.get(claim.room)
-                self._pending.pop((id(session), (claim.room, claim.gen)), None)
+                self._pending.remove(session, (claim.room, claim.gen))
                 if slot is not None and claim in slot.early:
                     slot.early.remove(claim)
                     if slot.empty:
@@ -551,11 +655,7 @@ class SenderSide(WriterThread):
 
     def _expire_sender(self, now: float, fire: Fire) -> None:
         ttl = self.config.pending_ttl
-        while self._pending:
-            _key, (since, slot, item) = next(iter(self._pending.items()))
-            if now - since <= ttl:
-                break
-            self._pending.popitem(last=False)
+        for slot, item in self._pending.expired(now, ttl):
             self._drop_pending(slot, item)
         while self._orphans:
             room, slot = next(iter(self._orphans.items()))

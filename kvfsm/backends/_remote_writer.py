@@ -233,7 +233,7 @@ class WriterThread(RemoteEndpoint):
         moved = len(claim.jobs) != before
         if failure is not None and not claim.stopped:
             self._write_failed(claim, failure)
-            return True
+            moved = True
         if claim.stopped:
             if not claim.jobs:
                 self._drained(claim)
@@ -318,8 +318,10 @@ class WriterThread(RemoteEndpoint):
                 self._drop_if_done(claim)
 
     def _aux_in_done(self, claim: Claim) -> bool:
-        """Whether the aux bytes travel inside DONE: both aux pools are host memory."""
+        """Whether the aux bytes travel inside DONE: both aux pools are host memory and a slot fits a frame."""
         assert self.pools is not None and claim.session.pools is not None
+        if sum(r.page_nbytes for r in self.pools.aux) > wire.MAX_BLOB_BYTES:
+            return False
         return all(r.device == "cpu" for r in (*self.pools.aux, *claim.session.pools.aux))
 
     def _submit(self, claim: Claim, writes: list[Write]) -> EngineJob | None:

@@ -47,6 +47,7 @@ class Session:
         "bye",
         "channel",
         "engine_id",
+        "hello",
         "key",
         "last_seen",
         "peer_key",
@@ -71,6 +72,8 @@ class Session:
         self.target: Any = None
         self.pools: KVPools | None = None
         self.engine_id: str | None = None
+        # A prefill keeps the HELLO's engine session until the decode confirms (see _on_hello_sender).
+        self.hello: tuple[dict[str, Any], bytes | None] | None = None
         self.refused: str | None = None
         self.bye = False
         # The room records of this session (keyed as each half likes).

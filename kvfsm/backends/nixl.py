@@ -133,6 +133,8 @@ class NixlEngine(EngineAdapter):
         # The agent runs without NIXL's own thread-safety mode: every call goes through this lock.
         self.lock = threading.Lock()
         self._registered: list[Any] = []
+        # Remote agents loaded: name -> (their metadata, sessions using them).
+        self._peers: dict[str, tuple[bytes, int]] = {}
         self._mem_type = "DRAM"
         self._device = 0
 
@@ -152,21 +154,47 @@ class NixlEngine(EngineAdapter):
         return {"agent": self.agent_name, "mem": self._mem_type}, bytes(metadata)
 
     def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        """Load the peer's agent metadata; a second session of the same agent shares it.
+
+        NIXL keys remote agents by name, so two sessions naming one agent
+        share its entry (counted, unloaded with the last). A session naming
+        an agent already loaded with other metadata is refused: it would
+        otherwise direct its writes into that agent's memory.
+        """
         if blob is None:
             raise BackendError("a NIXL peer must send its agent metadata in the handshake blob")
+        claimed = session.get("agent")
+        mem = session.get("mem", "DRAM")
         with self.lock:
+            if isinstance(claimed, str) and claimed in self._peers:
+                loaded, count = self._peers[claimed]
+                if loaded != blob:
+                    raise BackendError(f"NIXL agent {claimed!r} is loaded already, with other metadata")
+                self._peers[claimed] = (loaded, count + 1)
+                return (claimed, mem)
             name = self.agent.add_remote_agent(blob)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if session.get("agent") not in (None, name):
-            raise BackendError(f"NIXL peer says it is agent {session.get('agent')!r} but its metadata names {name!r}")
-        return (name, session.get("mem", "DRAM"))
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if claimed not in (None, name):
+                self._remove(name)
+                raise BackendError(f"NIXL peer says it is agent {claimed!r} but its metadata names {name!r}")
+            self._peers[name] = (bytes(blob), 1)
+        return (name, mem)
 
     def remove_peer(self, target: Any) -> None:
+        name = target[0]
+        with self.lock:
+            loaded, count = self._peers.get(name, (b"", 1))
+            if count > 1:
+                self._peers[name] = (loaded, count - 1)
+                return
+            self._peers.pop(name, None)
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
         try:
-            with self.lock:
-                self.agent.remove_remote_agent(target[0])
+            self.agent.remove_remote_agent(name)
         except Exception as exc:
-            logger.debug("NIXL remove_remote_agent(%s) failed: %s", target[0], exc)
+            logger.debug("NIXL remove_remote_agent(%s) failed: %s", name, exc)
 
     def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         name, remote_mem = target

@@ -144,6 +144,9 @@ class RemoteBackend(SenderSide, ReceiverSide):
         else:
             self._session_lost_sender(session, was, why, fire)
 
+    def _confirmed(self, session: Session) -> bool:
+        return self._confirmed_sender(session) if self.role is Role.SENDER else True
+
     def _expire(self, now: float, fire: Fire) -> None:
         if self.role is Role.SENDER:
             self._expire_sender(now, fire)

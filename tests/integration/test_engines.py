@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvfsm.backends import wire
+
 from .remote_peer import PeerProcess, engine_missing, free_port
 
 pytest.importorskip("zmq", reason="pyzmq is needed for the control plane")
@@ -25,10 +27,10 @@ _rooms = itertools.count(1000)
 
 
 class Pair:
-    def __init__(self, engine: str, heartbeat: float = 0.1) -> None:
+    def __init__(self, engine: str, heartbeat: float = 0.1, misses: int = 3) -> None:
         self.engine = engine
-        self.prefill = PeerProcess(engine, "sender", heartbeat=heartbeat)
-        self.decode = PeerProcess(engine, "receiver", heartbeat=heartbeat)
+        self.prefill = PeerProcess(engine, "sender", heartbeat=heartbeat, misses=misses)
+        self.decode = PeerProcess(engine, "receiver", heartbeat=heartbeat, misses=misses)
         try:
             # Both children start in parallel; these wait until each is ready.
             assert self.prefill.address
@@ -182,50 +184,44 @@ def test_prefill_abort(pair: Pair, state: str) -> None:
 def test_malformed_control_messages_are_dropped(pair: Pair) -> None:
     live = next(_rooms)
     pair.connect(live, [20, 21], aux=None)
+    gen = pair.decode.decode_generation(live)
     before_prefill, before_decode = pair.prefill.stats(), pair.decode.stats()
+    auth = {"sid": "0" * 16, "key": "f" * 32}
     bad = [
         [b"HELLO"],  # one frame
         [b"NOT-KVFSM", b"{}"],  # wrong magic
         [b"KVFSM/9", b"{}"],  # a future version
-        [b"KVFSM/1", b"\xff\xfe not json"],
-        [b"KVFSM/1", b"[1, 2]"],  # not an object
-        [b"KVFSM/1", json.dumps({"type": "FROB", "from": "x", "addr": "tcp://127.0.0.1:1"}).encode()],
+        [wire.MAGIC, b"\xff\xfe not json"],
+        [wire.MAGIC, b"[1, 2]"],  # not an object
+        [wire.MAGIC, json.dumps({"type": "FROB", **auth}).encode()],
+        [wire.MAGIC, json.dumps({"type": "ABORT", **auth}).encode()],  # fields missing
         [
-            b"KVFSM/1",
-            json.dumps({"type": "ABORT", "from": "x", "addr": "tcp://127.0.0.1:1"}).encode(),
-        ],  # fields missing
-        [
-            b"KVFSM/1",
-            json.dumps(
-                {"type": "ROOM", "from": "x", "addr": "y", "room": live, "token": "t", "pages": [-1], "aux": None}
-            ).encode(),
+            wire.MAGIC,
+            json.dumps({"type": "ROOM", **auth, "room": live, "gen": gen, "pages": [-1], "aux": None}).encode(),
         ],
-        [b"KVFSM/1", b"{}", b"blob", b"extra"],  # four frames
+        [wire.MAGIC, b"{}", b"blob", b"extra"],  # four frames
     ]
     for frames in bad:
         pair.decode.send_raw(pair.prefill.address, frames)
         pair.prefill.send_raw(pair.decode.address, frames)
-    # Well-formed but naming the live room with a wrong token: must not touch it.
-    pair.decode.send_message(
-        pair.prefill.address, "ABORT", {"room": live, "token": "not-the-token", "kind": "aborted", "message": "forged"}
-    )
-    pair.prefill.send_message(
-        pair.decode.address, "ABORT", {"room": live, "token": "not-the-token", "kind": "aborted", "message": "forged"}
-    )
-    pair.prefill.send_message(pair.decode.address, "DONE", {"room": live, "token": "not-the-token", "nbytes": 1})
+    # Well-formed, naming the live room and its generation, from no session of the receiver's.
+    forged = {"room": live, "gen": gen, "pgen": None, "kind": "aborted", "message": "forged"}
+    pair.decode.send_message(pair.prefill.address, "ABORT", forged)
+    pair.prefill.send_message(pair.decode.address, "ABORT", forged)
+    pair.prefill.send_message(pair.decode.address, "DONE", {"room": live, "gen": gen, "pgen": 1, "nbytes": 1})
     # The pair still works, and the live room was not changed by any of it.
     pair.prefill.send(live, [0, 1], True, None)
     decode = pair.decode.wait(live, ["Success", "Failed"], WAIT)
     prefill = pair.prefill.wait(live, ["Success", "Failed"], WAIT)
     assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
     after_prefill, after_decode = pair.prefill.stats(), pair.decode.stats()
-    for before, after in ((before_prefill, after_prefill), (before_decode, after_decode)):
-        assert after["dropped"] - before["dropped"] == len(bad)
+    for before, after, forged_count in ((before_prefill, after_prefill, 1), (before_decode, after_decode, 2)):
+        assert after["dropped"] - before["dropped"] == len(bad) + forged_count
         assert after["control"]["bad_version"] - before["control"]["bad_version"] == 1
         assert after["control"]["unknown_type"] - before["control"]["unknown_type"] == 1
+        assert after["control"]["unauthenticated"] - before["control"]["unauthenticated"] == forged_count
         assert after["control"]["handler_errors"] == before["control"]["handler_errors"]
         assert after["control_running"]
-    assert after_decode["stale_messages"] - before_decode["stale_messages"] == 2
     pair.close(live)
 
 
