@@ -273,11 +273,10 @@ class WireFieldsDirective(SphinxDirective):
 
 
 def _size(value: int) -> str:
+    """A byte count in the largest binary unit that divides it (6 MiB, 4 KiB), else in bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if value >= 1 << shift and value % (1 << (shift - 2)) == 0:
-            amount = value / (1 << shift)
-            text = f"{amount:g} {unit}"
-            return text if value % (1 << shift) == 0 else f"{text} ({value:,} bytes)"
+        if value >= 1 << shift and value % (1 << shift) == 0:
+            return f"{value >> shift} {unit}"
     return f"{value:,} bytes"
 
 
@@ -312,9 +311,8 @@ class WireBoundsDirective(SphinxDirective):
         bounds: list[tuple[str, str, str, str]] = [
             (
                 "ZeroMQ frame size",
-                _size(plane["max_message_bytes"]),
-                f"each frame, by the PULL socket's MAXMSGSIZE (ControlPlane max_message_bytes: MAX_HEADER_BYTES "
-                f"+ {_size(plane['max_message_bytes'] - wire.MAX_HEADER_BYTES)})",
+                f"{_size(wire.MAX_HEADER_BYTES)} + {_size(plane['max_message_bytes'] - wire.MAX_HEADER_BYTES)}",
+                "each frame, by the PULL socket's MAXMSGSIZE (ControlPlane max_message_bytes)",
                 "ZeroMQ disconnects the sending connection before the frame is read",
             ),
             (
