@@ -114,9 +114,13 @@ def _check_message(_instance: object, _attribute: attrs.Attribute[Any], value: o
         raise TypeError(f"FailureReason.message must be a str; got {type(value).__name__}: {value!r:.200}")
 
 
-def bounded_message(value: object) -> object:
-    """Cut a failure message to `MAX_REASON_CHARS`, saying how much was cut (non-str passes to the check)."""
-    if isinstance(value, str) and len(value) > MAX_REASON_CHARS:
+def bounded_message(value: str) -> str:
+    """Cut a failure message to `MAX_REASON_CHARS`, saying how much was cut.
+
+    As `FailureReason.message`'s converter it also sees what is not a str;
+    that passes through unchanged for the validator to refuse.
+    """
+    if value.__class__ is str and len(value) > MAX_REASON_CHARS:
         marker, previous = "", None
         while marker != previous:  # the marker's own length depends on the count it shows
             previous = marker

@@ -180,7 +180,7 @@ class Pools:
         return KVPools.from_tensors([self.k], [self.v], self.aux)
 
     def page_ranges(self, pages: list[int]) -> list[tuple[int, int]]:
-        out = []
+        out: list[tuple[int, int]] = []
         for tensor in (self.k, self.v):
             size = tensor.element_size() * PAGE_FLOATS
             out.extend((tensor.data_ptr() + p * size, tensor.data_ptr() + (p + 1) * size) for p in pages)

@@ -368,8 +368,14 @@ class RemoteEndpoint(KVBackend):
 
     # -- the periodic work ----------------------------------------------------------------------
 
-    def housekeeping(self, now: float) -> float:
-        """Heartbeats, lost peers and expiries; returns the seconds until it wants to run again."""
+    def housekeeping(self, now: float | None = None) -> float:
+        """Heartbeats, lost peers and expiries; returns the seconds until it wants to run again.
+
+        `now` defaults to the manager's clock, the one every deadline and
+        time-to-live of the endpoint is measured on.
+        """
+        if now is None:
+            now = self._clock_now()
         fire: Fire = []
         lost: list[tuple[Session, str]] = []
         with self._lock:
@@ -405,12 +411,20 @@ class RemoteEndpoint(KVBackend):
         """Drop what outlived its time-to-live (lock held)."""
 
     def _lose(self, session: Session, why: str, fire: Fire) -> None:
-        """`session` is gone: close it and fail what depended on it (lock held)."""
+        """`session` is gone: close it and fail what depended on it (lock held).
+
+        A half-open session (a HELLO answered, never confirmed) was never a
+        peer: it is dropped quietly, counted as evicted, not as a lost peer.
+        """
         was = session.state
         self.sessions.close(session)
-        self.remote_stats.peers_lost += 1
-        self.transport.stats.peers_lost += 1
-        logger.warning("kvfsm %s %s: session with %s lost: %s", self.name, self.role.value, session.addr, why)
+        if was is SessionState.HALF_OPEN:
+            self.transport.stats.sessions_evicted += 1
+            logger.debug("kvfsm %s: unconfirmed session with %s dropped: %s", self.name, session.addr, why)
+        else:
+            self.remote_stats.peers_lost += 1
+            self.transport.stats.peers_lost += 1
+            logger.warning("kvfsm %s %s: session with %s lost: %s", self.name, self.role.value, session.addr, why)
         if session.channel is not None:
             self.transport.close_channel(session.channel)
             session.channel = None

@@ -125,7 +125,6 @@ class SenderSide(WriterThread):
                 session = None
                 evicted = []
             for old in evicted:
-                self.transport.stats.sessions_evicted += 1
                 self._lose(old, "evicted: too many unconfirmed sessions", fire)
             if session is not None:
                 session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
@@ -234,6 +233,11 @@ class SenderSide(WriterThread):
         for claim in claims:
             self._pending.pop((id(claim.session), (claim.room, claim.gen)), None)
         return claims
+
+    def _expected_pages(self, handle: TransferHandle) -> int | None:
+        with self._lock:
+            claim = self._claim_of.get((handle.room, handle.generation))
+            return None if claim is None else len(claim.pages)
 
     def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         problem = None

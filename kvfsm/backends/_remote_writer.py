@@ -177,7 +177,8 @@ class WriterThread(RemoteEndpoint):
             self._command(command, payload)
         for key, claim in list(self._active.items()):
             moved |= self._advance(claim)
-            if not claim.chunks and not claim.jobs and (claim.stopped or claim.wire is not _C.WRITING):
+            if not claim.chunks and not claim.jobs:
+                # Nothing to poll (a stopped claim was drained in _advance): a new chunk or stop brings it back.
                 del self._active[key]
         return moved
 

@@ -125,7 +125,7 @@ class SessionTable:
         while len(self._by_sid) - len(evicted) >= self.max_sessions and self._half_open:
             evicted.append(self._half_open.popitem(last=False)[1])
         for old in evicted:
-            old.state = SessionState.CLOSED
+            # Out of the table now; the caller closes each (`RemoteEndpoint._lose`).
             self._by_sid.pop(old.sid, None)
         if len(self._by_sid) >= self.max_sessions:
             raise OverflowError(f"{len(self._by_sid)} sessions are open, the most this endpoint holds")

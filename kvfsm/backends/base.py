@@ -335,7 +335,7 @@ class KVBackend(abc.ABC):
 
     Subclasses implement `address`, `_register_pools`, `_bootstrap`,
     `_expect` (receiver), `_send` (sender) and `_stop`, and may override
-    `_forget` (room closed) and `_shutdown`. They emit events on handles and
+    `_expected_pages` (sender), `_forget` (room closed) and `_shutdown`. They emit events on handles and
     nothing else.
     """
 
@@ -376,6 +376,10 @@ class KVBackend(abc.ABC):
     def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         """Sender: start the next chunk's writes (validated); must not block on the copy."""
         raise BackendError(f"{type(self).__name__} cannot send")
+
+    def _expected_pages(self, handle: TransferHandle) -> int | None:
+        """Sender: how many pages the receiver posted for this room, or None if not (yet) known."""
+        return None
 
     @abc.abstractmethod
     def _stop(self, handle: TransferHandle) -> None:
@@ -543,6 +547,15 @@ class KVBackend(abc.ABC):
         if not handle.closed and not handle.is_terminal:
             handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, problem))
         raise TransferInputError(handle.room, problem)
+
+    def expected_pages(self, handle: TransferHandle) -> int | None:
+        """Sender: how many pages the receiver expects for this room, or None until it said.
+
+        A sender holding more pages than the receiver needs (the receiver
+        already had a prefix) sends its last `expected_pages(h)` pages.
+        """
+        self._check_handle(handle, "expected_pages", Role.SENDER)
+        return self._expected_pages(handle)
 
     def handle_of(self, room: Hashable) -> TransferHandle | None:
         """The handle this backend knows for `room`, if bootstrapped and not closed."""

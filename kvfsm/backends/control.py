@@ -82,15 +82,17 @@ class ControlPlane:
     """A bound PULL socket, PUSH channels, and the thread that serves them.
 
     `on_frames(frames)` runs on the thread for every message received.
-    `on_housekeeping(now)` runs at least every `tick` seconds whatever
+    `on_housekeeping()` runs at least every `tick` seconds whatever
     arrives, and returns when it wants to run next (seconds from now).
+    The thread keeps its own time (`clock`, real time by default); the
+    endpoint reads whatever clock it keeps inside its housekeeping.
     """
 
     def __init__(
         self,
         *,
         on_frames: Callable[[list[bytes]], None],
-        on_housekeeping: Callable[[float], float],
+        on_housekeeping: Callable[[], float],
         host: str = "127.0.0.1",
         port: int = 0,
         tick: float = 0.05,
@@ -215,7 +217,7 @@ class ControlPlane:
             try:
                 now = self._clock()
                 if now >= next_house:
-                    next_house = now + min(self._tick, max(0.0, self._housekeeping(now)))
+                    next_house = now + min(self._tick, max(0.0, self._housekeeping()))
                 wait = next_house - self._clock()
                 if wait >= 0.001:
                     ready = dict(poller.poll(int(wait * 1000)))
@@ -248,9 +250,9 @@ class ControlPlane:
             self.stats.handler_errors += 1
             logger.exception("%s: handling a control message failed; dropped", self._name)
 
-    def _housekeeping(self, now: float) -> float:
+    def _housekeeping(self) -> float:
         try:
-            return self._on_housekeeping(now)
+            return self._on_housekeeping()
         except Exception:
             self.stats.handler_errors += 1
             logger.exception("%s: housekeeping failed; the thread goes on", self._name)

@@ -381,6 +381,13 @@ class LocalBackend(KVBackend):
 
     # -- sender: chunks ------------------------------------------------------------------------
 
+    def _expected_pages(self, handle: TransferHandle) -> int | None:
+        link = self._links.get(handle.room)
+        if link is None or link.sender is not handle:
+            return None
+        with link.lock:
+            return None if link.dst_pages is None else len(link.dst_pages)
+
     def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         link = self._links.get(handle.room)
         if link is None or link.sender is not handle:

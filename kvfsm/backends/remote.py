@@ -100,7 +100,6 @@ class RemoteBackend(SenderSide, ReceiverSide):
             port=self.config.port,
             tick=min(0.05, self.config.heartbeat_interval / 4),
             name=f"kvfsm-{self.name}-{self.role.value}",
-            clock=self.manager._clock,
         )
 
     def _start_threads(self) -> None:

@@ -51,6 +51,46 @@ def engine_missing(engine: str) -> str | None:
     return f"{engine} cannot be imported here: {probe.stderr.strip().splitlines()[-1:] or probe.returncode}"
 
 
+class _EngineHook:
+    """Wraps a real engine's `submit` so the test decides when its jobs are reported done or failed."""
+
+    def __init__(self, engine: Any) -> None:
+        self.hold = False
+        self.fail_next = False
+        inner_submit = engine.submit
+        hook = self
+
+        class Reported:
+            def __init__(self, job: Any, fail: bool) -> None:
+                self.job, self.fail, self.detail, self.may_still_land = job, fail, job.detail, False
+
+            def poll(self) -> str:
+                status = self.job.poll()
+                if status == "pending" or hook.hold:
+                    return "pending"
+                return "failed" if self.fail else status
+
+            def cancel(self) -> bool:
+                return False
+
+            def release(self) -> None:
+                self.job.release()
+
+        def submit(target: Any, writes: Any) -> Any:
+            fail, hook.fail_next = hook.fail_next, False
+            return Reported(inner_submit(target, writes), fail)
+
+        engine.submit = submit
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def free_port() -> int:
     with contextlib.closing(socket.socket()) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -179,10 +219,10 @@ class _Endpoint:
         self.backend.send(self.handles[room], pages, last=last, aux_index=aux)
         return str(self.handles[room].state.name)
 
-    def abort(self, room: Any) -> dict[str, Any]:
+    def abort(self, room: Any, reason: str = "test abort") -> dict[str, Any]:
         handle = self.handles[room]
         acks = self.backend.remote_stats.abort_acks_received
-        handle.abort("test abort")
+        handle.abort(reason)
         # Read at once, gate first: if it is open, it was the peer's ABORT_ACK (counted
         # before the gate opens) or nothing had been sent; `acked` tells which.
         safe = handle.release_safe
@@ -239,22 +279,86 @@ class _Endpoint:
         return {
             "control": {
                 k: getattr(control, k)
-                for k in ("received", "malformed", "bad_version", "unknown_type", "handler_errors", "peers_lost")
+                for k in (
+                    "received",
+                    "malformed",
+                    "bad_version",
+                    "unknown_type",
+                    "oversized",
+                    "unauthenticated",
+                    "handler_errors",
+                    "peers_lost",
+                    "heartbeats_sent",
+                    "sessions_evicted",
+                )
             },
             "dropped": control.dropped,
             "stale_messages": remote.stale_messages,
             "peers_lost": remote.peers_lost,
             "late_events": self.manager.stats.late_events,
             "control_running": self.backend.control.running,
+            "sessions": len(self.backend.sessions),
+            "channels": self.backend.control.open_channels,
+            "fds": len(os.listdir("/proc/self/fd")),
+            "rss_mb": _rss_mb(),
         }
 
-    def send_raw(self, addr: str, frames: list[bytes]) -> None:
-        self.backend.control.send_raw(addr, frames)
+    def send_raw(self, addr: str, frames: list[bytes], copies: int = 1) -> None:
+        for _ in range(copies):
+            self.backend.control.send_raw(addr, frames)
 
-    def send_message(self, addr: str, kind: str, fields: dict[str, Any]) -> None:
-        import json
+    def send_message(self, addr: str, kind: str, fields: dict[str, Any], copies: int = 1) -> None:
+        """A well-formed frame of `kind` from no session of the receiver's (a forged sid and secret)."""
+        from kvfsm.backends import wire
 
-        from kvfsm.backends.control import MAGIC
+        frames = wire.encode(kind, {"sid": "0" * 16, "key": "f" * 32, **fields})
+        self.send_raw(addr, frames, copies)
 
-        header = {"type": kind, "from": self.backend.control.endpoint_id, "addr": self.backend.address, **fields}
-        self.backend.control.send_raw(addr, [MAGIC, json.dumps(header).encode()])
+    def forge_hellos(self, addr: str, count: int) -> None:
+        """`count` HELLOs, each naming another reply address (nothing listens there)."""
+        from kvfsm.backends import wire
+
+        fields, blob = self.backend._session_fields()
+        for i in range(count):
+            hello = {
+                "addr": f"tcp://127.0.0.1:{20000 + i % 40000}",
+                "reply_sid": f"{i:016x}",
+                "reply_key": "f" * 32,
+                "role": "receiver",
+                "engine": self.backend.name,
+                "session": fields,
+                "mac": None,
+            }
+            self.backend.control.send_raw(addr, wire.encode("HELLO", hello, blob))
+
+    def decode_generation(self, room: Any) -> int:
+        """The wire generation of a decode room (to forge frames naming it)."""
+        record = self.backend._recv_by_handle[(room, self.handles[room].generation)]
+        return int(record.gen)
+
+    # -- a hand on the engine's reports (the bytes still move through the real engine) ----------
+
+    def hold_writes(self) -> None:
+        """Report every write as still in flight, until `release_writes()`."""
+        self._engine_hook().hold = True
+
+    def release_writes(self) -> None:
+        self._engine_hook().hold = False
+
+    def fail_next_write(self) -> None:
+        """Report the next write submitted as failed (its bytes may or may not have moved)."""
+        self._engine_hook().fail_next = True
+
+    def slow_observers(self, seconds: float) -> None:
+        """A subscriber that takes `seconds` per notice: notices then queue behind it, as on a busy box."""
+        self.manager.subscribe(lambda change: time.sleep(seconds))
+
+    def _engine_hook(self) -> _EngineHook:
+        hook = getattr(self, "_hook", None)
+        if hook is None:
+            hook = self._hook = _EngineHook(self.backend.engine)
+        return hook
+
+    def write_pages(self, pages: list[int], value: float) -> None:
+        for tensor in (self.k, self.v):
+            tensor[:, pages] = value

@@ -169,7 +169,7 @@ def test_observers_see_each_rooms_steps_in_order_under_racing_threads() -> None:
     # Widen the gap after each release of the manager's lock, as a busy machine
     # does: another thread's whole step then fits into it.
     manager._lock = _YieldingLock()  # type: ignore[assignment]
-    seen: dict[tuple[int, int], list[StateChange]] = {}
+    seen: dict[tuple[object, int], list[StateChange]] = {}
 
     def observer(change: StateChange) -> None:
         seen.setdefault((change.room, change.generation), []).append(change)

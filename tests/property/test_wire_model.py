@@ -238,7 +238,7 @@ class WireModel(RuleBasedStateMachine):
         elif not request.expected and request.decode.state is KVPoll.WaitingForInput:
             self.expect(data, request)
         elif request.prefill.state in (KVPoll.WaitingForInput, KVPoll.Transferring) and request.sent != -1:
-            self.send(data, request.npages, request)  # type: ignore[arg-type]
+            self.send(data, request.npages, request)
 
     @rule(data=st.data(), side=st.sampled_from(["prefill", "decode"]))
     def abort(self, data: st.DataObject, side: str) -> None:
@@ -524,7 +524,7 @@ _HUNT = settings(max_examples=1500, stateful_step_count=60, phases=[Phase.genera
 
 def _model_fails() -> str:
     with pytest.raises(AssertionError) as caught:
-        run_state_machine_as_test(WireModel, settings=_HUNT)
+        run_state_machine_as_test(WireModel, settings=_HUNT)  # type: ignore[no-untyped-call, unused-ignore]
     return str(caught.value)
 
 

@@ -35,8 +35,8 @@ class _Inbox:
         with self.lock:
             self.frames.append(frames)
 
-    def on_housekeeping(self, now: float) -> float:
-        self.house.append(now)
+    def on_housekeeping(self) -> float:
+        self.house.append(time.monotonic())
         return 0.02
 
     def wait_for(self, predicate: object, timeout: float = WAIT) -> bool:
@@ -61,7 +61,7 @@ def plane() -> Iterator[tuple[ControlPlane, _Inbox]]:
 
 @pytest.fixture
 def sender() -> Iterator[ControlPlane]:
-    control = ControlPlane(on_frames=lambda frames: None, on_housekeeping=lambda now: 1.0)
+    control = ControlPlane(on_frames=lambda frames: None, on_housekeeping=lambda: 1.0)
     try:
         yield control
     finally:
@@ -82,7 +82,9 @@ def test_frames_arrive_in_order_and_a_raising_handler_does_not_end_the_thread(
     assert control.running
 
 
-def test_housekeeping_keeps_its_schedule_under_a_flood(plane: tuple[ControlPlane, _Inbox], sender: ControlPlane) -> None:
+def test_housekeeping_keeps_its_schedule_under_a_flood(
+    plane: tuple[ControlPlane, _Inbox], sender: ControlPlane
+) -> None:
     control, inbox = plane
     channel = sender.connect(control.address)
     stop = threading.Event()

@@ -52,13 +52,12 @@ def events_of(manager: sglang.KVManager) -> list[str]:
 
 SIGNATURES: dict[tuple[type, str], list[str]] = {
     (sglang.KVManager, "__init__"): ["self", "args", "disaggregation_mode", "server_args", "is_mla_backend"],
+    # SGLang 0.5.23's order; older releases' dest_tp_ranks/pp_rank are still accepted positionally.
     (sglang.KVSender, "__init__"): [
         "self",
         "mgr",
         "bootstrap_addr",
         "bootstrap_room",
-        "dest_tp_ranks",
-        "pp_rank",
         "req_has_disagg_prefill_dp_rank",
     ],
     (sglang.KVSender, "init"): ["self", "num_kv_indices", "aux_index"],
@@ -238,7 +237,9 @@ def test_failure_exception_on_a_rank_whose_room_had_not_failed(prefill: sglang.K
         sender.failure_exception()
     assert caught.value.is_from_another_rank
     assert sender.poll() is KVPoll.Failed
-    failure = prefill.transfer_manager.failure(6)
+    # As SGLang's CommonKVSender: reading the failure ends the prefill room (its scheduler never clears it).
+    assert 6 not in prefill.transfer_manager
+    failure = caught.value.reason
     assert failure is not None
     assert failure.kind is FailureKind.PEER_FAILED
     assert failure.from_peer
@@ -393,6 +394,41 @@ def test_dropping_a_sender_without_clear_closes_its_room(prefill: sglang.KVManag
     assert 32 not in prefill.request_status
 
 
+@pytest.mark.parametrize("endpoint", ["sender", "receiver"])
+def test_dropping_a_fake_endpoint_without_clear_closes_its_room(
+    prefill: sglang.KVManager, decode: sglang.KVManager, endpoint: str
+) -> None:
+    """Issue 11 item 12: collect_orphans() also closes dropped warmup requests' rooms.
+
+    On the old code the fake rooms' orphans were closed only when the next
+    fake request opened: `collect_orphans()` returned 0 and the room stayed
+    open (a live, never-aborted warmup room per dropped request).
+    """
+    dropped: sglang.FakeKVSender | sglang.FakeKVReceiver
+    if endpoint == "sender":
+        manager = prefill
+        dropped = sglang.FakeKVSender(prefill, "2.2.2.2:8998", 7)
+        dropped.init(1, 0)
+    else:
+        manager = decode
+        dropped = sglang.FakeKVReceiver(decode, "2.2.2.2:8998", None)
+        dropped.init(0)
+    kept = sglang.FakeKVReceiver(decode, "2.2.2.2:8998", 7)  # a live fake request must stay open
+    handle = dropped.handle
+    del dropped
+    gc.collect()
+    closed_by_the_finalizer = handle.closed
+    assert not closed_by_the_finalizer  # the finalizer only queues it
+    assert manager.fake_rooms.live() == (2 if manager is decode else 1)
+    assert manager.collect_orphans() == 1
+    assert handle.closed
+    assert handle.state is KVPoll.Failed  # closed in flight: aborted, so nothing waits on it
+    assert kept.poll() is KVPoll.Bootstrapping
+    assert decode.fake_rooms.live() == 1
+    assert prefill.fake_rooms.live() == 0
+    assert manager.collect_orphans() == 0
+
+
 def test_endpoints_need_a_kvfsm_manager() -> None:
     with pytest.raises(TypeError, match="KVManager"):
         sglang.KVSender(object(), ADDR, 1, [0], 0)
@@ -460,9 +496,11 @@ def test_legacy_writes_racing_aborts_never_break_a_room() -> None:
         stats = manager.transfer_manager.stats
         assert stats.invalid_events == 0
         for sender in senders:
-            assert sender.poll() in (KVPoll.Success, KVPoll.Failed)
-            assert manager.check_status(sender.bootstrap_room) is sender.poll()
-        failed = sum(1 for sender in senders if sender.poll() is KVPoll.Failed)
+            # Every request was aborted: each answers Failed, whether its room failed or had already succeeded.
+            assert sender.poll() is KVPoll.Failed
+            assert manager.check_status(sender.bootstrap_room) is sender.handle.state
+            assert sender.handle.state in (KVPoll.Success, KVPoll.Failed)
+        failed = sum(1 for sender in senders if sender.handle.state is KVPoll.Failed)
         assert stats.aborts == failed
 
 
@@ -478,8 +516,12 @@ def test_abort_in_every_state(
     manager.update_status(50, reached)
     assert request.poll() is reached
     request.abort()
-    expected = reached if reached in kvfsm.TERMINAL else KVPoll.Failed
-    assert (request.poll(), manager.check_status(50), request.conclude_state) == (expected, expected, expected)
+    # The room is the transfer's record: a Success stays Success. The request is aborted: it answers Failed.
+    room_state = reached if reached in kvfsm.TERMINAL else KVPoll.Failed
+    assert manager.check_status(50) is room_state
+    assert (request.poll(), request.conclude_state) == (KVPoll.Failed, KVPoll.Failed)
+    if reached is KVPoll.Success:
+        assert request.release_safe  # its bytes landed: nothing can still be writing
     failure = manager.transfer_manager.failure(50)
     if reached is KVPoll.Failed or reached is KVPoll.Success:
         assert manager.transfer_manager.stats.aborts == 0

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-from .._manager import TransferHandle
-from .._states import TERMINAL, KVPoll, RoomId
+from ..._manager import TransferHandle
+from ..._states import TERMINAL, KVPoll, RoomId
 
 __all__ = ["FORWARD_EVENTS", "forward_events", "drive_to", "RequestStatusView", "FailureRecordsView"]
 

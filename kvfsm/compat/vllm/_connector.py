@@ -1,0 +1,238 @@
+"""`KVFSMConnector`: the vLLM (v1) KV connector whose every transfer is a kvfsm room.
+
+The only module of `kvfsm.compat.vllm` that imports vLLM. It translates
+vLLM's hooks (`vllm/distributed/kv_transfer/kv_connector/v1/base.py` of
+vLLM 0.33.0) into calls on the two halves, which take plain values:
+
+scheduler role (`_plan.SchedulerHalf`)
+    get_num_new_matched_tokens   prompt tokens to load, async; None: ask again
+    update_state_after_alloc     park the load on the blocks vLLM allocated
+    build_connector_meta         this step's `StepPlan` for the workers
+    request_finished(_all_groups) hold a prefill's blocks; abort a decode's load
+    update_connector_output      pass on each held request's notice once
+
+worker role (`_worker.WorkerHalf`)
+    register_kv_caches           one kvfsm page per vLLM block, backends started
+    start_load_kv                open and bootstrap the step's rooms
+    get_finished / get_transfer_results   rooms that ended and are release-safe
+    get_block_ids_with_load_errors        the blocks of failed loads
+    shutdown                     backends closed, live rooms failed
+    wait_for_layer_load, save_kv_layer, wait_for_save: nothing to do (the KV
+    is already in vLLM's blocks; the backend writes them whole)
+
+Refused with a `kvfsm.ConfigError` at construction: more than one KV cache
+group or a group that is not full attention (hybrid, sliding window,
+Mamba), pipeline or context parallelism. Heterogeneous tensor parallelism
+is refused per request (its load fails with the reason).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from ..._errors import ConfigError
+from ._config import ConnectorConfig
+from ._plan import SchedulerHalf, StepPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from ._worker import WorkerHalf
+
+__all__ = ["KVFSMConnector", "KVFSMConnectorMetadata"]
+
+_FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+class KVFSMConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: the rooms to open, send and abort."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        plan = self.plan
+        return f"<KVFSMConnectorMetadata recv={len(plan.recv)} send={len(plan.send)} abort={len(plan.abort)}>"
+
+
+def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+        raise ConfigError(
+            f"the kvfsm connector moves one full-attention KV cache group; this model has {len(groups)} "
+            f"({kinds}). Hybrid (HMA) KV caches are not supported yet: start vLLM with "
+            "--disable-hybrid-kv-cache-manager (every layer then uses full attention, one group)"
+        )
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            raise ConfigError(f"the kvfsm connector supports tensor parallelism only; got {name}={size}")
+
+
+def _tp_rank(tp_size: int) -> int:
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill/decode KV transfer for vLLM with kvfsm lifecycles.
+
+    Select it with `--kv-transfer-config '{"kv_connector": "KVFSMConnector",
+    "kv_connector_module_path": "kvfsm.compat.vllm", "kv_role":
+    "kv_producer"}'` on the prefill (`kv_consumer` on the decode); settings
+    go in `kv_connector_extra_config` (see `ConnectorConfig`).
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+    #: The clock of the workers' deadlines (tests replace it).
+    clock: ClassVar[Callable[[], float]] = staticmethod(time.monotonic)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, kv_port=transfer.kv_port)
+        _refuse_unsupported(vllm_config, kv_cache_config)
+        engine_id = transfer.engine_id
+        if not engine_id:
+            raise ConfigError("kv_transfer_config.engine_id must be set for the kvfsm connector")
+        self.engine_id: str = engine_id
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.scheduler_half: SchedulerHalf | None = None
+        self.worker_half: WorkerHalf | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self.scheduler_half = SchedulerHalf(self.config, engine_id=engine_id, tp_size=self.tp_size)
+        else:
+            from ._worker import WorkerHalf
+
+            self.worker_half = WorkerHalf(
+                self.config,
+                engine_id=engine_id,
+                tp_rank=_tp_rank(self.tp_size),
+                num_blocks=int(kv_cache_config.num_blocks),
+                producer=bool(transfer.is_kv_producer),
+                consumer=bool(transfer.is_kv_consumer),
+                clock=type(self).clock,
+            )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # The backends register vLLM's KV memory; sleep mode would remap it under them.
+        return False
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerHalf:
+        if self.scheduler_half is None:
+            raise RuntimeError("a scheduler hook was called on the worker-side kvfsm connector")
+        return self.scheduler_half
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = request.prompt_token_ids or []
+        return self._scheduler().matched_tokens(request.kv_transfer_params, len(prompt), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[]]
+        self._scheduler().after_alloc(
+            request.request_id, request.kv_transfer_params, unhashed[0] if unhashed else [], num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVFSMConnectorMetadata(self._scheduler().build())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        sending, recving = self._scheduler().notices(
+            connector_output.finished_sending,
+            connector_output.finished_recving,
+            connector_output.failed_recving,
+            connector_output.invalid_block_ids,
+        )
+        # vLLM's scheduler reads these sets right after this hook; a notice for a request
+        # the connector does not hold would fail its `assert req_id in self.requests`.
+        if connector_output.finished_sending is not None:
+            connector_output.finished_sending = sending
+        if connector_output.finished_recving is not None:
+            connector_output.finished_recving = recving
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(
+            request.request_id,
+            request.kv_transfer_params,
+            finished_ok=request.status in _FINISHED_OK,
+            block_ids=block_ids,
+        )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def _worker(self) -> WorkerHalf:
+        if self.worker_half is None:
+            raise RuntimeError("a worker hook was called on the scheduler-side kvfsm connector")
+        return self.worker_half
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, KVFSMConnectorMetadata):
+            raise TypeError(f"the kvfsm connector got {type(metadata).__name__} metadata")
+        self._worker().start(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _failed = self._worker().poll()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker().poll()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker_half is not None:
+            self.worker_half.shutdown()

@@ -1,0 +1,340 @@
+"""The scheduler half: the requests whose KV blocks the connector holds, as kvfsm rooms.
+
+vLLM's scheduler frees a request's blocks when the connector says so:
+`request_finished` returning True on a prefill ("I hold them until
+`finished_sending`"), and, on a decode, a request parked in
+`WAITING_FOR_REMOTE_KVS` until `finished_recving`. vLLM keeps that
+promise in a handful of sets and dicts (`_reqs_need_recv`,
+`_reqs_need_send`, `_reqs_in_batch`, `_reqs_not_processed`, ...), and its
+scheduler asserts that every notice names a request it still holds (a late
+`finished_sending` for a freed request crashed the engine: PR #25067).
+
+Here each such request is one room of a `TransferManager`, keyed by the
+vLLM request id, one manager per side (the prefill's held requests, the
+decode's loads):
+
+    Bootstrapping     held or parked; the worker has not been told yet
+    WaitingForInput   `build_connector_meta` handed it to the workers
+    Success           the workers' notice came: sent (prefill) or loaded (decode)
+    Failed            the decode request finished first (abort: the workers are
+                      told) or its load failed
+
+A notice closes the room. A second notice for it, one for a request
+that never had a room, or one from before the hand-off (no worker knew of
+the request yet, so it cannot be a genuine report) is dropped from the
+output before vLLM's scheduler sees it, counted (`stats.absorbed_notices`)
+and logged, never raised. The decode's abort goes through the machine
+(`handle.abort`), so a notice arriving after it is a late event that cannot
+turn the room back into a success.
+
+Nothing here waits: the deadlines that bound how long blocks stay held run
+on the workers' rooms (`_worker.py`), where the bytes move. This module
+imports neither vLLM nor torch; `_connector.py` feeds it plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import attrs
+
+from ..._errors import DuplicateRoom, UnknownRoom
+from ..._manager import TransferHandle, TransferManager
+from ..._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ._config import ConnectorConfig
+from ._params import RemoteSource, parse_source, prefill_params, room_id
+
+__all__ = ["AbortSpec", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
+
+logger = logging.getLogger("kvfsm.compat.vllm")
+
+#: Scheduler rooms never time out: only the workers know whether bytes may still land.
+_NO_DEADLINES = Timeouts(bootstrap=None, waiting=None, transferring=None, drain=None)
+
+
+@attrs.frozen(slots=True)
+class RecvSpec:
+    """Decode worker: load `blocks` from `source` (or only tell it to free, `release_only`).
+
+    `problem` set: the request cannot load (bad params); the worker fails it at once.
+    """
+
+    request_id: str
+    room: str
+    source: RemoteSource | None
+    blocks: tuple[int, ...]
+    problem: str | None = None
+    release_only: bool = False
+
+
+@attrs.frozen(slots=True)
+class SendSpec:
+    """Prefill worker: hold `blocks` for the decode that will claim `room`."""
+
+    request_id: str
+    room: str
+    blocks: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class AbortSpec:
+    """Decode worker: the request finished before its KV arrived; give the load up."""
+
+    request_id: str
+    reason: str
+
+
+@attrs.define(slots=True)
+class StepPlan:
+    """What the workers must start this step (the connector metadata's payload)."""
+
+    recv: list[RecvSpec] = attrs.Factory(list)
+    send: list[SendSpec] = attrs.Factory(list)
+    abort: list[AbortSpec] = attrs.Factory(list)
+
+    def __bool__(self) -> bool:
+        return bool(self.recv or self.send or self.abort)
+
+
+@attrs.define(slots=True)
+class SchedulerStats:
+    """Counters of the scheduler half since it started."""
+
+    holds: int = 0
+    loads: int = 0
+    releases: int = 0
+    aborted_loads: int = 0
+    deferred_lookups: int = 0
+    invalid_params: int = 0
+    absorbed_notices: int = 0
+
+
+@attrs.define(slots=True, eq=False)
+class _Load:
+    handle: TransferHandle
+    room: str
+    blocks: frozenset[int]
+
+
+class SchedulerHalf:
+    """The scheduler side of the connector, fed plain values by the vLLM facade."""
+
+    def __init__(self, config: ConnectorConfig, *, engine_id: str, tp_size: int) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
+        self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
+        self.stats = SchedulerStats()
+        self._held: dict[str, TransferHandle] = {}
+        self._loads: dict[str, _Load] = {}
+        # Transfer rooms of the loads still open: a second load of the same prefill request waits.
+        self._sources: set[str] = set()
+        self._plan = StepPlan()
+        # Rooms planned this step: handed to the workers by the next `build`.
+        self._handoff: list[TransferHandle] = []
+
+    # -- decode: matching and allocation ---------------------------------------------------
+
+    def matched_tokens(
+        self, params: Mapping[str, Any] | None, num_prompt_tokens: int, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """`get_num_new_matched_tokens`: the prompt tokens to load from the prefill, loaded async.
+
+        Side-effect free apart from a counter. `None` asks vLLM to ask again
+        later: an earlier load of the same prefill request is still open, or
+        `max_inflight_loads` loads are running.
+        """
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        source = parse_source(params, tp_size=self.tp_size)
+        count = num_prompt_tokens - num_computed_tokens
+        if isinstance(source, str) or count <= 0:
+            return 0, False
+        limit = self.config.max_inflight_loads
+        if source.room in self._sources or (limit is not None and len(self._loads) >= limit):
+            self.stats.deferred_lookups += 1
+            return None, False
+        return count, True
+
+    def after_alloc(
+        self,
+        request_id: str,
+        params: MutableMapping[str, Any] | None,
+        unhashed_blocks: Sequence[int],
+        num_external_tokens: int,
+    ) -> None:
+        """`update_state_after_alloc`: park the load (or tell the prefill its blocks are not needed).
+
+        Only the first call for a request acts (vLLM may call twice); it
+        flips `do_remote_prefill` off in the request's params, as NIXL does.
+        """
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        source = parse_source(params, tp_size=self.tp_size)
+        if isinstance(source, str):
+            self.stats.invalid_params += 1
+            logger.warning("kvfsm: request %s: unusable kv_transfer_params, not loading: %s", request_id, source)
+            if num_external_tokens > 0:
+                # vLLM parked it for a load anyway: the load must still end (failed), or it waits forever.
+                self._park(request_id, f"!{request_id}", None, unhashed_blocks, problem=source)
+            return
+        if num_external_tokens <= 0:
+            self._release(request_id, source)
+            return
+        problem = None
+        if source.room in self._sources:
+            problem = f"room {source.room!r} is already being loaded by another request of this decode"
+        self._park(request_id, source.room, source, unhashed_blocks, problem=problem)
+
+    def _park(
+        self,
+        request_id: str,
+        room: str,
+        source: RemoteSource | None,
+        blocks: Sequence[int],
+        *,
+        problem: str | None,
+    ) -> None:
+        try:
+            handle = self.decode.open(request_id)
+        except DuplicateRoom:
+            logger.error("kvfsm: request %s is already loading; vLLM parked it twice", request_id)
+            return
+        self.stats.loads += 1
+        self._loads[request_id] = _Load(handle, room, frozenset(blocks))
+        self._handoff.append(handle)
+        if problem is None:
+            self._sources.add(room)
+        self._plan.recv.append(RecvSpec(request_id, room, source, tuple(blocks), problem=problem))
+
+    def _release(self, request_id: str, source: RemoteSource) -> None:
+        if source.block_ids:
+            self.stats.releases += 1
+            self._plan.recv.append(RecvSpec(request_id, source.room, source, (), release_only=True))
+
+    # -- both: a request finished ------------------------------------------------------------
+
+    def request_finished(
+        self,
+        request_id: str,
+        params: MutableMapping[str, Any] | None,
+        *,
+        finished_ok: bool,
+        block_ids: Sequence[int],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished`: (hold the blocks?, params for the decode)."""
+        if not params:
+            return False, None
+        if params.get("do_remote_decode"):
+            return self._prefill_finished(request_id, finished_ok, block_ids)
+        self._decode_finished(request_id, params)
+        return False, None
+
+    def _prefill_finished(
+        self, request_id: str, finished_ok: bool, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not finished_ok:
+            # Aborted or failed: no decode will come for it, vLLM frees the blocks now.
+            return False, None
+        room = room_id(self.engine_id, request_id)
+        params = prefill_params(
+            engine_id=self.engine_id,
+            request_id=request_id,
+            host=self.config.host,
+            port=self.config.port,
+            block_ids=block_ids,
+            tp_size=self.tp_size,
+        )
+        if not block_ids:
+            return False, params
+        try:
+            handle = self.prefill.open(request_id)
+        except DuplicateRoom:
+            logger.error("kvfsm: request %s finished twice while its blocks are held; not holding again", request_id)
+            return False, None
+        self.stats.holds += 1
+        self._held[request_id] = handle
+        self._handoff.append(handle)
+        self._plan.send.append(SendSpec(request_id, room, tuple(block_ids)))
+        return True, params
+
+    def _decode_finished(self, request_id: str, params: MutableMapping[str, Any]) -> None:
+        if params.get("do_remote_prefill"):
+            # Finished before vLLM allocated its blocks (an early abort): the prefill still holds them.
+            params["do_remote_prefill"] = False
+            source = parse_source(params, tp_size=self.tp_size)
+            if isinstance(source, RemoteSource):
+                self._release(request_id, source)
+            return
+        load = self._loads.get(request_id)
+        if load is not None and load.handle.abort("the request finished before its KV arrived"):
+            self.stats.aborted_loads += 1
+            self._plan.abort.append(AbortSpec(request_id, "vLLM finished the request before its KV arrived"))
+
+    # -- the step's metadata and the workers' notices ------------------------------------------
+
+    def build(self) -> StepPlan:
+        """`build_connector_meta`: hand this step's work to the workers."""
+        plan, self._plan = self._plan, StepPlan()
+        handed, self._handoff = self._handoff, []
+        for handle in handed:
+            if handle.state is KVPoll.Bootstrapping:
+                handle.bootstrapped()
+        return plan
+
+    def notices(
+        self,
+        finished_sending: Iterable[str] | None,
+        finished_recving: Iterable[str] | None,
+        failed_recving: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+    ) -> tuple[set[str], set[str]]:
+        """`update_connector_output`: the notices vLLM may act on (each held request once)."""
+        failed = set(failed_recving)
+        invalid = set(invalid_block_ids)
+        recving: set[str] = set()
+        for request_id in finished_recving or ():
+            load = self._loads.get(request_id)
+            if load is None or load.handle.state is KVPoll.Bootstrapping:
+                self._absorb("finished_recving", request_id, self.decode)
+                continue
+            del self._loads[request_id]
+            handle = load.handle
+            if request_id in failed or not invalid.isdisjoint(load.blocks):
+                handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the workers reported a failed load"))
+            else:
+                handle.transfer_started()
+                handle.transfer_done()
+            self.decode.close(request_id)
+            self._sources.discard(load.room)
+            recving.add(request_id)
+        sending: set[str] = set()
+        for request_id in finished_sending or ():
+            held = self._held.get(request_id)
+            if held is None or held.state is KVPoll.Bootstrapping:
+                self._absorb("finished_sending", request_id, self.prefill)
+                continue
+            del self._held[request_id]
+            held.transfer_started()
+            held.transfer_done()
+            self.prefill.close(request_id)
+            sending.add(request_id)
+        return sending, recving
+
+    def _absorb(self, kind: str, request_id: str, manager: TransferManager) -> None:
+        self.stats.absorbed_notices += 1
+        why = "the workers were not told of it yet: a notice from before its hand-off"
+        try:
+            manager.get(request_id)
+        except UnknownRoom as exc:  # says whether it was closed or never opened
+            why = exc.detail
+        logger.warning("kvfsm: %s for request %s dropped: %s", kind, request_id, why)
+
+    @property
+    def held(self) -> frozenset[str]:
+        """Requests whose blocks the connector holds now (prefill holds and decode loads)."""
+        return frozenset(self._held) | frozenset(self._loads)

@@ -1,0 +1,397 @@
+"""The worker half: every transfer one kvfsm room, its bytes moved by a kvfsm backend.
+
+A vLLM worker runs one tensor-parallel rank. Its connector registers the
+rank's KV cache (one region per layer, page = one vLLM block) with a kvfsm
+backend and, each step, starts what the scheduler half planned and reports
+what ended. Per request, in kvfsm terms:
+
+prefill (sender room, opened when vLLM finished the request and holds its blocks)
+    Bootstrapping     held for the decode; deadline `hold_timeout` (the lease)
+    WaitingForInput   the decode posted its destination blocks; we send our
+                      last `expected_pages` blocks (it may cache a prefix)
+    Transferring      the backend writes into the decode's blocks
+    Success / Failed  reported as `finished_sending` once release-safe
+
+decode (receiver room, opened when vLLM parked the request for its KV)
+    Bootstrapping     handshake with the prefill rank (`bootstrap_timeout`)
+    WaitingForInput   blocks posted (`expect`); waiting for bytes (`waiting_timeout`)
+    Transferring      bytes landing (`transfer_timeout`)
+    Success           reported as `finished_recving`
+    Failed            reported as `finished_recving` and `failed_recving`, its
+                      blocks as load errors, once release-safe: after the
+                      prefill proved its writes stopped (ABORT_ACK), or after
+                      `drain_timeout`, never earlier (DESIGN.md rule 13)
+
+Each room is reported exactly once, then closed; an abort for a room that
+is gone is counted (`stats.late_aborts`) and ignored. Deadlines are the
+managers' (one FIFO per phase, enforced on every poll), so an expired hold
+is reclaimed whatever order the requests came in (vllm #58222), and a
+decode whose prefill died or failed to post a write gets its blocks back
+within the deadlines (vllm #46283, PR #50754).
+
+Imports torch (through the backends) but not vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from ..._errors import ConfigError, DuplicateRoom
+from ..._manager import TransferHandle, TransferManager
+from ..._states import FailureKind, FailureReason, KVPoll, Role
+from ...backends import get_backend
+from ...backends.base import KVBackend, KVPools, MemoryRegion, TransferInputError
+from ...backends.local import LocalBackend
+from ...backends.remote import RemoteBackend, RemoteConfig
+from ._config import ConnectorConfig
+from ._params import RemoteSource
+from ._plan import AbortSpec, RecvSpec, SendSpec, StepPlan
+
+__all__ = ["WorkerHalf", "WorkerStats", "kv_pools", "local_prefill_address"]
+
+logger = logging.getLogger("kvfsm.compat.vllm")
+
+# Prefill ranks of this process on the local backend, by (engine id, rank): how an
+# in-process decode finds them (a remote backend uses the params' host and port).
+_LOCAL_PREFILLS: dict[tuple[str, int], str] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_prefill_address(engine_id: str, tp_rank: int) -> str | None:
+    """The local-backend address of a prefill rank in this process, if one registered."""
+    with _LOCAL_LOCK:
+        return _LOCAL_PREFILLS.get((engine_id, tp_rank))
+
+
+def kv_pools(kv_caches: Mapping[str, Any], num_blocks: int) -> KVPools:
+    """vLLM's per-layer KV cache tensors as kvfsm pools: one page per vLLM block.
+
+    A layer's tensor is `[num_blocks, ...]` (K and V packed per block) or
+    `[2, num_blocks, ...]` (K and V apart: two regions). Every block's bytes
+    must be one contiguous run. Layers that share one tensor register it once.
+    """
+    if not kv_caches:
+        raise ConfigError("register_kv_caches got no KV cache tensors")
+    regions: list[MemoryRegion] = []
+    seen: set[tuple[int, int]] = set()
+    for name in sorted(kv_caches):
+        tensor = kv_caches[name]
+        shape = tuple(tensor.shape)
+        if shape and shape[0] == num_blocks:
+            views = [(name, tensor)]
+        elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+            views = [(f"{name}.k", tensor[0]), (f"{name}.v", tensor[1])]
+        else:
+            raise ConfigError(
+                f"KV cache of layer {name!r} has shape {shape}: expected [num_blocks={num_blocks}, ...] "
+                f"or [2, num_blocks={num_blocks}, ...]"
+            )
+        for label, view in views:
+            if not view.is_contiguous():
+                raise ConfigError(
+                    f"KV cache of layer {label!r} is not block-contiguous (shape {tuple(view.shape)}, strides "
+                    f"{tuple(view.stride())}): the kvfsm connector needs each block's bytes in one run, "
+                    "as the layer-outermost layouts (LBHNC, LBNHC) give"
+                )
+            key = (int(view.data_ptr()), int(view.numel()))
+            if key in seen:
+                continue
+            seen.add(key)
+            regions.append(MemoryRegion.of_tensor(view, label))
+    return KVPools(regions)
+
+
+@attrs.define(slots=True)
+class WorkerStats:
+    """Counters of one worker half since it started (the managers count states and failures)."""
+
+    sent: int = 0
+    loaded: int = 0
+    failed_sends: int = 0
+    failed_loads: int = 0
+    releases: int = 0
+    late_aborts: int = 0
+
+
+@attrs.define(slots=True, eq=False)
+class _Send:
+    handle: TransferHandle
+    blocks: tuple[int, ...]
+    sent: bool = False
+
+
+@attrs.define(slots=True, eq=False)
+class _Recv:
+    handle: TransferHandle
+    blocks: tuple[int, ...]
+    expected: bool = False
+
+
+class WorkerHalf:
+    """One worker rank's connector: backends, rooms, and what to report each step."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        num_blocks: int,
+        producer: bool,
+        consumer: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.prefill = TransferManager(Role.SENDER, timeouts=config.prefill_timeouts, clock=clock) if producer else None
+        self.decode = TransferManager(Role.RECEIVER, timeouts=config.decode_timeouts, clock=clock) if consumer else None
+        self.sender: KVBackend | None = None
+        self.receiver: KVBackend | None = None
+        self.stats = WorkerStats()
+        self._sending: dict[str, _Send] = {}
+        self._receiving: dict[str, _Recv] = {}
+        self._releasing: list[TransferHandle] = []
+        # Reported at the next poll without a room: nothing was or will be sent for them.
+        self._refused_sends: set[str] = set()
+        self._refused_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any]) -> KVPools:
+        """`register_kv_caches`: start the backends on this rank's KV cache."""
+        if self.sender is not None or self.receiver is not None:
+            raise ConfigError("register_kv_caches was called twice")
+        pools = kv_pools(kv_caches, self.num_blocks)
+        if self.prefill is not None:
+            self.sender = self._backend(self.prefill, self.config.port + self.tp_rank)
+            self.sender.register_pools(pools)
+            if isinstance(self.sender, LocalBackend):
+                with _LOCAL_LOCK:
+                    _LOCAL_PREFILLS[(self.engine_id, self.tp_rank)] = self.sender.address
+        if self.decode is not None:
+            self.receiver = self._backend(self.decode, 0)
+            self.receiver.register_pools(pools)
+        return pools
+
+    def _backend(self, manager: TransferManager, port: int) -> KVBackend:
+        cls = get_backend(self.config.backend)
+        options = dict(self.config.backend_options)
+        if issubclass(cls, RemoteBackend):
+            remote = RemoteConfig(
+                host=self.config.host,
+                port=port,
+                heartbeat_interval=self.config.heartbeat_interval,
+                heartbeat_misses=self.config.heartbeat_misses,
+            )
+            return cls(manager, remote, **options)
+        return cls(manager, **options)
+
+    def shutdown(self) -> None:
+        """Close the backends: rooms still in flight fail (their peers are told)."""
+        if isinstance(self.sender, LocalBackend):
+            with _LOCAL_LOCK:
+                if _LOCAL_PREFILLS.get((self.engine_id, self.tp_rank)) == self.sender.address:
+                    del _LOCAL_PREFILLS[(self.engine_id, self.tp_rank)]
+        for backend in (self.receiver, self.sender):
+            if backend is not None:
+                backend.close()
+
+    # -- this step's plan (start_load_kv) -------------------------------------------------------
+
+    def start(self, plan: StepPlan) -> None:
+        """Open and bootstrap this step's rooms; give up the loads vLLM aborted."""
+        for recv in plan.recv:
+            self._start_recv(recv)
+        for send in plan.send:
+            self._start_send(send)
+        for abort in plan.abort:
+            self._abort(abort)
+
+    def _start_send(self, spec: SendSpec) -> None:
+        if self.prefill is None or self.sender is None:
+            # vLLM's scheduler follows the request's params, not the engine's role (as NIXL's does).
+            logger.error(
+                "kvfsm: request %s asks for a remote decode but this engine is not a KV producer "
+                "(kv_role kv_producer or kv_both): its blocks are freed, its decode's load will fail",
+                spec.request_id,
+            )
+            self._refused_sends.add(spec.request_id)
+            return
+        try:
+            handle = self.prefill.open(spec.room)
+        except DuplicateRoom:
+            logger.error(
+                "kvfsm: room %s is already held on this prefill; request %s not held", spec.room, spec.request_id
+            )
+            return
+        self._sending[spec.request_id] = _Send(handle, spec.blocks)
+        self._bootstrap(self.sender, handle, self.sender.address)
+
+    def _start_recv(self, spec: RecvSpec) -> None:
+        if self.decode is None or self.receiver is None:
+            logger.error(
+                "kvfsm: request %s asks for a remote prefill but this engine is not a KV consumer "
+                "(kv_role kv_consumer or kv_both): it is not loaded",
+                spec.request_id,
+            )
+            if not spec.release_only:
+                self._refused_loads.add(spec.request_id)
+                self._load_errors.update(spec.blocks)
+            return
+        try:
+            handle = self.decode.open(spec.room)
+        except DuplicateRoom:
+            if not spec.release_only:
+                logger.error(
+                    "kvfsm: room %s is already loading here; request %s fails its load", spec.room, spec.request_id
+                )
+                self._refused_loads.add(spec.request_id)
+                self._load_errors.update(spec.blocks)
+            return
+        if spec.release_only:
+            self.stats.releases += 1
+            self._releasing.append(handle)
+        else:
+            self._receiving[spec.request_id] = _Recv(handle, spec.blocks)
+        problem = spec.problem
+        address = None
+        if problem is None:
+            assert spec.source is not None
+            address = self._prefill_address(spec.source)
+            if address is None:
+                problem = f"no prefill rank {self.tp_rank} of engine {spec.source.engine_id!r} in this process"
+        if address is None:
+            # Never reached a backend: nothing can land in its blocks.
+            handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem or "no prefill"))
+            handle.writes_drained()
+            return
+        self._bootstrap(self.receiver, handle, address)
+
+    def _prefill_address(self, source: RemoteSource) -> str | None:
+        if isinstance(self.receiver, LocalBackend):
+            return local_prefill_address(source.engine_id, self.tp_rank)
+        return f"tcp://{source.host}:{source.port + self.tp_rank}"
+
+    @staticmethod
+    def _bootstrap(backend: KVBackend, handle: TransferHandle, address: str) -> None:
+        try:
+            backend.bootstrap(handle, address)
+        except TransferInputError as exc:
+            logger.error("kvfsm: room %s refused by the %s backend: %s", handle.room, backend.name, exc)
+            if backend.handle_of(handle.room) is not handle:
+                handle.writes_drained()  # the backend never took it: nothing was issued
+
+    def _abort(self, spec: AbortSpec) -> None:
+        recv = self._receiving.get(spec.request_id)
+        if recv is None:
+            self.stats.late_aborts += 1
+            logger.debug("kvfsm: abort of request %s after its load ended: ignored", spec.request_id)
+            return
+        recv.handle.abort(spec.reason)
+
+    # -- each step's report (get_finished) -------------------------------------------------------
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """Drive the rooms one step; (finished_sending, finished_recving, failed_recving), each once."""
+        sending = self._poll_sends()
+        recving, failed = self._poll_loads()
+        self._poll_releases()
+        return sending, recving, failed
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of the loads reported failed since the last call (`get_block_ids_with_load_errors`)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _poll_sends(self) -> set[str]:
+        done, self._refused_sends = self._refused_sends, set()
+        for request_id, send in list(self._sending.items()):
+            handle = send.handle
+            state = handle.poll()
+            if state is KVPoll.WaitingForInput and not send.sent:
+                self._send(send)
+                state = handle.state
+            if state is KVPoll.Success:
+                self.stats.sent += 1
+            elif state is KVPoll.Failed and handle.release_safe:
+                self.stats.failed_sends += 1
+            else:
+                continue
+            handle.close()
+            del self._sending[request_id]
+            done.add(request_id)
+        return done
+
+    def _send(self, send: _Send) -> None:
+        assert self.sender is not None
+        handle = send.handle
+        wanted = self.sender.expected_pages(handle)
+        if wanted is None:
+            return
+        send.sent = True
+        held = len(send.blocks)
+        if wanted > held:
+            handle.fail(
+                FailureReason(
+                    FailureKind.TRANSFER_ERROR, f"the decode expects {wanted} blocks; this prefill holds {held}"
+                )
+            )
+            return
+        try:
+            self.sender.send(handle, send.blocks[held - wanted :], last=True)
+        except TransferInputError as exc:  # the backend failed the room with this reason
+            logger.error("kvfsm: sending room %s failed: %s", handle.room, exc)
+
+    def _poll_loads(self) -> tuple[set[str], set[str]]:
+        done, failed = set(self._refused_loads), set(self._refused_loads)
+        self._refused_loads.clear()
+        for request_id, recv in list(self._receiving.items()):
+            handle = recv.handle
+            state = handle.poll()
+            if state is KVPoll.WaitingForInput and not recv.expected:
+                recv.expected = True
+                assert self.receiver is not None
+                try:
+                    self.receiver.expect(handle, list(recv.blocks))
+                except TransferInputError as exc:
+                    logger.error("kvfsm: loading room %s failed: %s", handle.room, exc)
+                state = handle.state
+            if state is KVPoll.Success:
+                self.stats.loaded += 1
+            elif state is KVPoll.Failed and handle.release_safe:
+                self.stats.failed_loads += 1
+                failed.add(request_id)
+                self._load_errors.update(recv.blocks)
+                logger.warning("kvfsm: request %s failed to load its KV: %s", request_id, handle.reason)
+            else:
+                continue
+            handle.close()
+            del self._receiving[request_id]
+            done.add(request_id)
+        return done, failed
+
+    def _poll_releases(self) -> None:
+        still = []
+        for handle in self._releasing:
+            if handle.poll() is KVPoll.WaitingForInput:
+                # The prefill answered the handshake: tell it its blocks are not needed.
+                handle.abort("the decode needs none of these blocks")
+            if handle.is_terminal and handle.release_safe:
+                handle.close()
+            else:
+                still.append(handle)
+        self._releasing = still
+
+    @property
+    def busy(self) -> bool:
+        """Rooms still open on this rank."""
+        return bool(self._sending or self._receiving or self._releasing)

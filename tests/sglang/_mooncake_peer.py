@@ -1,0 +1,322 @@
+"""One SGLang scheduler's PD queues in a child process, on kvfsm's Mooncake trio.
+
+The prefill child runs SGLang 0.5.23's `PrefillBootstrapQueue`, waiting
+queue and inflight queue (tests/sglang/_queues.py), plus the bootstrap
+server SGLang starts on a prefill; the decode child runs
+`DecodePreallocQueue` and `DecodeTransferQueue`. `get_kv_class` answers
+kvfsm's `MooncakeKVManager`/`MooncakeKVSender`/`MooncakeKVReceiver`/
+`MooncakeKVBootstrapServer` for `TransferBackend.MOONCAKE`, so the KV moves
+over real Mooncake Transfer Engine (TCP, P2PHANDSHAKE, 127.0.0.1) between CPU
+tensors, and the metadata slots (SGLang's `MetadataBuffers`) go with it.
+
+Each child loops like SGLang's event loop: between iterations it serves
+the parent's calls (add a request, abort it through `Scheduler.abort_request`,
+read the log, check bytes) over a pipe. The prefill writes a pattern
+(`expected_value`) into the KV of each token it computes; the decode
+compares what landed in its own pages. Every call and every wait is
+bounded; the parent stops (or kills) the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import zlib
+from multiprocessing.connection import Connection
+from types import SimpleNamespace
+from typing import Any
+
+LAYERS = 2
+ROWS = 256  # token slots per KV buffer
+DIM = 16  # floats per token row
+PAGE_SIZE = 2
+SLOTS = 8  # metadata slots
+START_TIMEOUT = 240.0
+CALL_TIMEOUT = 30.0
+
+
+def expected_value(rid: str, position: int, layer: int) -> float:
+    """What the prefill computed for token `position` of `rid` in KV buffer `layer` (exact in float32)."""
+    return float(zlib.crc32(rid.encode()) % 997) * 1000.0 + position + layer * 0.25
+
+
+class PeerProcess:
+    """A child process running one role's SGLang queues; `call(name, *args)` runs there."""
+
+    def __init__(self, role: str, env: dict[str, str], bootstrap_port: int | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.role = role
+        self.process = ctx.Process(target=_child_main, args=(child, role, env, bootstrap_port), daemon=True)
+        self.process.start()
+        child.close()
+        self._ready: Any = None
+
+    def ready(self) -> Any:
+        """What the child reports once its queues are up (waits for the first time)."""
+        if self._ready is None:
+            self._ready = self._receive("start", START_TIMEOUT)
+        return self._ready
+
+    def _receive(self, what: str, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{self.role} peer: {what} did not answer in {timeout}s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"{self.role} peer: {what} failed in the child:\n{value}")
+        return value
+
+    def call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        self.ready()
+        self._conn.send((name, args))
+        return self._receive(f"{name}{args}", timeout)
+
+    def wait_for(self, event: tuple[Any, ...], timeout: float = CALL_TIMEOUT) -> list[tuple[Any, ...]]:
+        """Wait until `event` is in the child's queue log; returns the log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log()
+            if event in log:
+                return log
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} peer: {event} not logged in {timeout}s; log: {log}")
+            time.sleep(0.02)
+
+    def log(self) -> list[tuple[Any, ...]]:
+        status = self.call("status")
+        if status["errors"]:
+            raise RuntimeError(f"{self.role} peer: its scheduler loop raised:\n{status['errors'][0]}")
+        return [tuple(event) for event in status["log"]]
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("exit", ()))
+            self.process.join(15)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
+
+
+# -- the child ----------------------------------------------------------------------------
+
+
+def _child_main(conn: Connection, role: str, env: dict[str, str], bootstrap_port: int | None) -> None:
+    os.environ.update(env)
+    logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
+    stack = contextlib.ExitStack()
+    try:
+        peer: _Peer = _PrefillPeer(stack) if role == "prefill" else _DecodePeer(stack, bootstrap_port)
+        conn.send((True, peer.ready()))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        conn.close()
+        os._exit(1)
+    while True:
+        try:
+            if conn.poll(0.002):
+                name, args = conn.recv()
+                if name == "exit":
+                    break
+                try:
+                    conn.send((True, getattr(peer, name)(*args)))
+                except Exception:
+                    conn.send((False, traceback.format_exc()))
+        except (EOFError, OSError):
+            break
+        try:
+            peer.iterate()
+        except Exception:
+            if len(peer.errors) < 5:
+                peer.errors.append(traceback.format_exc())
+    with contextlib.suppress(Exception):
+        peer.close()
+    with contextlib.suppress(Exception):
+        stack.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _kv_args(q: Any, buffers: list[Any], metadata: Any) -> Any:
+    args = q.kv_args(page_size=PAGE_SIZE)
+    args.kv_data_ptrs = [b.data_ptr() for b in buffers]
+    args.kv_data_lens = [b.nbytes for b in buffers]
+    args.kv_item_lens = [b[0].nbytes * PAGE_SIZE for b in buffers]
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = metadata.get_buf_infos()
+    return args
+
+
+class _Peer:
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        import torch
+
+        from kvfsm.compat import sglang as compat
+        from tests.sglang import _queues as q
+        from tests.sglang._sglang import module
+
+        self.torch, self.q, self.compat, self.module = torch, q, compat, module
+        self.errors: list[str] = []
+        self.log: list[tuple[Any, ...]] = []
+        stack.enter_context(q.sglang_context())
+        self.group = q.gloo_group()
+        mooncake = {
+            q.KVClassType.MANAGER: compat.MooncakeKVManager,
+            q.KVClassType.SENDER: compat.MooncakeKVSender,
+            q.KVClassType.RECEIVER: compat.MooncakeKVReceiver,
+            q.KVClassType.BOOTSTRAP_SERVER: compat.MooncakeKVBootstrapServer,
+        }
+        stack.enter_context(q.patched_sglang(self.log, {q.TransferBackend.MOONCAKE: mooncake}))
+        self.get_kv_class = q.prefill_mod.get_kv_class  # the patched one
+        self.kv = [torch.zeros(ROWS, DIM, dtype=torch.float32) for _ in range(LAYERS)]
+
+    def server_args(self, bootstrap_port: int) -> Any:
+        return SimpleNamespace(
+            host="127.0.0.1",
+            port=None,
+            disaggregation_bootstrap_port=bootstrap_port,
+            tp_size=1,
+            dp_size=1,
+            pp_size=1,
+            disaggregation_decode_allocation_policy="early",
+        )
+
+    def status(self) -> dict[str, Any]:
+        return {"log": list(self.log), "errors": list(self.errors)}
+
+    def finish_message(self, rid: str) -> str | None:
+        reason = self.world.reqs[rid].finished_reason
+        return None if reason is None else str(getattr(reason, "message", reason))
+
+    def abort(self, rid: str) -> None:
+        self.world.host.abort(rid)
+
+    world: Any
+
+    def ready(self) -> Any:
+        raise NotImplementedError
+
+    def iterate(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.world.manager.shutdown()
+
+
+class _PrefillPeer(_Peer):
+    """SGLang's prefill event loop: bootstrap queue, waiting queue (forwarded at once unless held), inflight."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        super().__init__(stack)
+        q = self.q
+        server_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.BOOTSTRAP_SERVER)
+        self.server = server_class(host="127.0.0.1", port=0)
+        self.bootstrap_port = self.server.port
+        self.world = q.PrefillWorld(log=self.log, group=self.group, page_size=PAGE_SIZE, slots=SLOTS)
+        self.world.queue.transfer_backend = q.TransferBackend.MOONCAKE
+        # What PrefillBootstrapQueue._init_kv_manager does: SGLang's KVArgs, then get_kv_class's manager.
+        manager_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.MANAGER)
+        self.world.set_manager(
+            manager_class(
+                _kv_args(q, self.kv, self.world.metadata_buffers),
+                q.utils.DisaggregationMode.PREFILL,
+                self.server_args(self.bootstrap_port),
+                False,
+            )
+        )
+        self.world.computed = self._compute
+        self.held: set[str] = set()
+
+    def ready(self) -> Any:
+        return {"bootstrap_port": self.bootstrap_port}
+
+    def _compute(self, req: Any, slots: Any) -> None:
+        for layer, buffer in enumerate(self.kv):
+            for position, slot in enumerate(slots.tolist()):
+                buffer[slot] = expected_value(req.rid, position, layer)
+
+    def add(self, rid: str, prompt_len: int, room: int, hold: bool = False) -> None:
+        if hold:
+            self.held.add(rid)
+        self.world.add(rid, prompt_len, room, "127.0.0.1", self.bootstrap_port)
+
+    def release(self, rid: str) -> None:
+        self.held.discard(rid)
+
+    def iterate(self) -> None:
+        world = self.world
+        world.pop_bootstrapped()
+        world.resolve_waiting()
+        for req in list(world.host.waiting_queue):
+            if req.rid not in self.held and not self.q.utils.is_aborted(req):
+                world.forward(req.rid)
+        world.process_inflight()
+
+    def close(self) -> None:
+        super().close()
+        self.server.close()
+
+
+class _DecodePeer(_Peer):
+    """SGLang's decode queue processing: deferred releases, preallocation, transfer polling."""
+
+    def __init__(self, stack: contextlib.ExitStack, bootstrap_port: int | None) -> None:
+        super().__init__(stack)
+        assert bootstrap_port is not None
+        q = self.q
+        self.bootstrap_port = bootstrap_port
+        envs = self.module("sglang.srt.environ").envs
+        self.world = q.DecodeWorld(
+            log=self.log,
+            group=self.group,
+            page_size=PAGE_SIZE,
+            slots=SLOTS,
+            deferred_release=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get(),
+        )
+        manager_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.MANAGER)
+        self.world.set_manager(
+            manager_class(
+                _kv_args(q, self.kv, self.world.metadata_buffers),
+                q.utils.DisaggregationMode.DECODE,
+                self.server_args(bootstrap_port),
+                False,
+            )
+        )
+        self.world.transfer.deferred_kv_release_timeout = 60.0  # kvfsm's release gate decides first
+        self.world.prealloc.transfer_backend = q.TransferBackend.MOONCAKE
+        self.world.prealloc._ensure_retry_interval = 0.2
+
+    def ready(self) -> Any:
+        return {"deferred_release": self.world.transfer.enable_deferred_kv_release}
+
+    def add(self, rid: str, prompt_len: int, room: int) -> None:
+        self.world.add(rid, prompt_len, room, "127.0.0.1", self.bootstrap_port)
+
+    def iterate(self) -> None:
+        self.world.pop_preallocated()
+        self.world.pop_transferred()
+
+    def held(self) -> list[str]:
+        return [entry[0].req.rid for entry in self.world.transfer._deferred_releases]
+
+    def first_token(self, rid: str) -> int:
+        return int(self.world.reqs[rid].output_ids[0])
+
+    def kv_matches(self, rid: str) -> bool:
+        """Whether every token of `rid` in every KV buffer holds what the prefill computed."""
+        req = self.world.reqs[rid]
+        slots = self.world.pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].tolist()
+        for layer, buffer in enumerate(self.kv):
+            for position, slot in enumerate(slots):
+                if not bool((buffer[slot] == expected_value(rid, position, layer)).all()):
+                    return False
+        return True

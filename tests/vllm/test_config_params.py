@@ -1,0 +1,130 @@
+"""The connector's settings and the kv_transfer_params it writes and reads (no vLLM needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvfsm import ConfigError, Timeouts
+from kvfsm.compat.vllm._config import DEFAULT_PORT, ConnectorConfig
+from kvfsm.compat.vllm._params import RemoteSource, flat_block_ids, parse_source, prefill_params, room_id
+
+
+def test_defaults_and_the_timeouts_each_side_gets() -> None:
+    config = ConnectorConfig.from_extra({})
+    assert config.backend == "mooncake" and config.port == DEFAULT_PORT
+    assert config.prefill_timeouts == Timeouts(bootstrap=480.0, waiting=300.0, transferring=120.0, drain=30.0)
+    assert config.decode_timeouts == Timeouts(bootstrap=60.0, waiting=300.0, transferring=120.0, drain=30.0)
+    assert ConnectorConfig.from_extra(None, kv_port=20000).port == 20000
+
+
+def test_settings_are_read() -> None:
+    config = ConnectorConfig.from_extra(
+        {
+            "backend": "local",
+            "host": "10.0.0.2",
+            "port": 30000,
+            "hold_timeout": 5,
+            "transfer_timeout": None,
+            "max_inflight_loads": 4,
+            "backend_options": {"workers": 3},
+        }
+    )
+    assert (config.backend, config.host, config.port, config.hold_timeout) == ("local", "10.0.0.2", 30000, 5.0)
+    assert config.transfer_timeout is None and config.max_inflight_loads == 4
+    assert config.backend_options == {"workers": 3}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"hold_timout": 5}, "unknown kvfsm connector setting(s) 'hold_timout'"),
+        ({"hold_timeout": 0}, "'hold_timeout'] must be a positive number of seconds; got 0"),
+        ({"drain_timeout": None}, "'drain_timeout'] must be a positive number of seconds; got None"),
+        ({"waiting_timeout": float("inf")}, "'waiting_timeout'] must be a positive number"),
+        ({"transfer_timeout": True}, "'transfer_timeout'] must be a positive number of seconds or null"),
+        ({"port": 70000}, "'port'] must be an int in 1..65535; got 70000"),
+        ({"heartbeat_misses": 0}, "'heartbeat_misses'] must be an int >= 1"),
+        ({"max_inflight_loads": 0}, "'max_inflight_loads'] must be an int >= 1"),
+        ({"backend": ""}, "'backend'] must be a backend name"),
+        ({"host": 5}, "'host'] must be a host name"),
+        ({"backend_options": [1]}, "'backend_options'] must be a mapping"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ConnectorConfig.from_extra(extra)
+    assert message in str(caught.value)
+
+
+def _params(**override: Any) -> dict[str, Any]:
+    params = prefill_params(engine_id="P", request_id="r1", host="h", port=14579, block_ids=[3, 4], tp_size=1)
+    params.update(override)
+    return params
+
+
+def test_prefill_params_round_trip_into_the_decodes_source() -> None:
+    params = _params()
+    assert params["remote_block_ids"] == [[3, 4]]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    source = parse_source(params, tp_size=1)
+    assert source == RemoteSource("P", "r1", "h", 14579, (3, 4), 1)
+    assert isinstance(source, RemoteSource) and source.room == room_id("P", "r1") == "P/r1"
+
+
+def test_nixl_style_params_are_read_too() -> None:
+    # vLLM's own tests (and NIXL proxies) give flat block lists and no tp_size at times.
+    source = parse_source(
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": "e",
+            "remote_request_id": "x",
+            "remote_block_ids": [0, 1, 2],
+            "remote_host": "my-host",
+            "remote_port": 1234,
+        },
+        tp_size=1,
+    )
+    assert isinstance(source, RemoteSource) and source.block_ids == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"remote_engine_id": ""}, "'remote_engine_id'] must be a non-empty string"),
+        ({"remote_request_id": None}, "'remote_request_id'] must be a non-empty string"),
+        ({"remote_host": 7}, "'remote_host'] must be a non-empty string"),
+        ({"remote_port": "80"}, "'remote_port'] must be a port number"),
+        ({"remote_port": 0}, "'remote_port'] must be a port number"),
+        ({"tp_size": 0}, "'tp_size'] must be an int >= 1"),
+        ({"tp_size": 2}, "heterogeneous TP is not supported"),
+        ({"remote_block_ids": [[1], [2]]}, "2 KV cache groups"),
+        ({"remote_block_ids": [1, -2]}, "block ids (ints >= 0)"),
+        ({"remote_block_ids": "12"}, "must be a list of block ids"),
+        ({"remote_block_ids": [True]}, "block ids (ints >= 0)"),
+    ],
+)
+def test_unusable_params_say_why(override: dict[str, Any], message: str) -> None:
+    problem = parse_source(_params(**override), tp_size=1)
+    assert isinstance(problem, str) and message in problem
+
+
+def test_block_id_forms() -> None:
+    assert flat_block_ids([]) == ()
+    assert flat_block_ids([[]]) == ()
+    assert flat_block_ids(((5, 6),)) == (5, 6)
+
+
+def test_importing_kvfsm_and_the_connector_package_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvfsm, kvfsm.compat, kvfsm.compat.vllm, kvfsm.compat.vllm._plan\n"
+        "heavy = sorted(m for m in ('vllm', 'torch', 'zmq') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert kvfsm.compat.vllm.__all__ == ['KVFSMConnector', 'KVFSMConnectorMetadata']\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

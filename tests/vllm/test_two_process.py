@@ -1,0 +1,147 @@
+"""A prefill and a decode vLLM engine in two processes, KV moved over Mooncake on CPU tensors.
+
+Each process runs vLLM 0.33.0's scheduler with the kvfsm connector on both
+roles and a fake model runner (`engine_peer.EnginePeer`); the KV bytes go
+through kvfsm's MooncakeBackend (TCP on 127.0.0.1) and the decode checks
+them block by block before its forward touches them. Then an abort on
+each side and a killed prefill: every request ends, both engines end
+empty, and nothing waits longer than the deadline that applies. Every
+wait is bounded; every process is stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from . import _env
+
+_missing = _env.vllm_missing()
+if _missing:
+    pytest.skip(_missing, allow_module_level=True)
+
+from ..integration.remote_peer import engine_missing, free_port  # noqa: E402
+from .engine_peer import EnginePeer  # noqa: E402
+
+WAIT = 30.0
+DRAIN = 2.0
+_ids = itertools.count()
+
+
+class PD:
+    """A prefill and a decode engine process."""
+
+    def __init__(self, hold_timeout: float = 60.0) -> None:
+        self.engine_id = f"prefill-{next(_ids)}"
+        common: dict[str, Any] = {
+            "backend": "mooncake",
+            "heartbeat_interval": 0.1,
+            "heartbeat_misses": 3,
+            "drain_timeout": DRAIN,
+            "waiting_timeout": 60,
+        }
+        self.prefill = EnginePeer(
+            "kv_producer", self.engine_id, {**common, "port": free_port(), "hold_timeout": hold_timeout}
+        )
+        self.decode = EnginePeer("kv_consumer", f"decode-{next(_ids)}", common)
+        try:
+            self.prefill.ready()
+            self.decode.ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.decode.stop()
+        self.prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> None:
+    missing = engine_missing("mooncake")
+    if missing:
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def pd(mooncake: None) -> Iterator[PD]:
+    pair = PD(hold_timeout=3.0)
+    yield pair
+    pair.stop()
+
+
+def new_failures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Failure kinds counted on a worker between two `info()` snapshots."""
+    kinds = after["failure_kinds"]
+    grown = {kind: n - before["failure_kinds"].get(kind, 0) for kind, n in kinds.items()}
+    return {kind: n for kind, n in grown.items() if n}
+
+
+def tokens_for(seed: int, blocks: float) -> list[int]:
+    return [seed * 1000 + i for i in range(int(16 * blocks))]
+
+
+def test_kv_moves_between_processes_byte_exact(pd: PD) -> None:
+    tokens = tokens_for(1, 3.5)
+    params = pd.prefill.prefill("p1", tokens)
+    assert len(params["remote_block_ids"][0]) == 4
+    pd.decode.add("d1", tokens, params, 3)
+    sending = pd.prefill.start("run", "empty", None, WAIT, timeout=WAIT + 10)
+    loaded = pd.decode.run("finished", "d1", WAIT, timeout=WAIT + 10)
+    sent = sending.result()
+    assert loaded["load"] == {"failed": False, "wrong_blocks": [], "errors": 0}
+    assert loaded["status"] == "FINISHED_LENGTH_CAPPED" and loaded["empty"]
+    assert sent["reached"] and sent["final_states"] == {"Success": 1}
+
+
+def test_a_decode_abort_frees_both_sides(pd: PD) -> None:
+    tokens = tokens_for(2, 2.5)
+    params = pd.prefill.prefill("p2", tokens)
+    pd.decode.add("d2", tokens, params, 3)
+    p_before, d_before = pd.prefill.info(), pd.decode.info()
+    # The prefill's engine does not step: it holds the room and sends nothing.
+    assert pd.decode.run("parked", "d2", WAIT)["reached"]
+    assert pd.decode.abort("d2") == "FINISHED_ABORTED"
+    decode = pd.decode.run("empty", "d2", WAIT)
+    # Freed once the prefill proved (ABORT_ACK from its control plane) that nothing can land.
+    assert decode["reached"] and new_failures(d_before, decode) == {"aborted": 1}
+    assert decode["load"]["failed"]
+    assert decode["drain_deadline_releases"] == d_before["drain_deadline_releases"]
+    prefill = pd.prefill.run("empty", None, WAIT)
+    assert prefill["reached"] and new_failures(p_before, prefill) == {"aborted": 1}
+
+
+def test_a_prefill_that_gave_up_fails_the_late_decode_at_once(pd: PD) -> None:
+    tokens = tokens_for(3, 2.5)
+    params = pd.prefill.prefill("p3", tokens)
+    p_before, d_before = pd.prefill.info(), pd.decode.info()
+    # No decode comes within the prefill's 3 s hold: its blocks come back.
+    prefill = pd.prefill.run("empty", None, 3.0 + WAIT)
+    assert prefill["reached"] and new_failures(p_before, prefill) == {"timeout": 1}
+    # The decode that comes late hears so from the prefill (an ABORT for the room it
+    # closed), not from its own 60 s deadline.
+    pd.decode.add("d3", tokens, params, 3)
+    decode = pd.decode.run("empty", "d3", WAIT)
+    assert decode["reached"] and decode["status"] == "FINISHED_ERROR"
+    assert decode["load"]["failed"] and decode["load"]["errors"] == 3
+    assert new_failures(d_before, decode) == {"aborted": 1}
+
+
+def test_a_killed_prefill_fails_the_waiting_load_and_frees_it_after_the_drain_deadline(mooncake: None) -> None:
+    pair = PD()
+    try:
+        tokens = tokens_for(4, 2.5)
+        params = pair.prefill.prefill("p4", tokens)
+        pair.decode.add("d4", tokens, params, 3)
+        assert pair.decode.run("parked", "d4", WAIT)["reached"]
+        pair.prefill.kill()
+        decode = pair.decode.run("empty", "d4", WAIT)
+        # No ABORT_ACK can come from a dead prefill: its writes might still land until the drain deadline.
+        assert decode["reached"] and decode["status"] == "FINISHED_ERROR"
+        assert decode["failure_kinds"] == {"peer_lost": 1}
+        assert decode["load"]["failed"] and decode["drain_deadline_releases"] == 1
+    finally:
+        pair.stop()
