@@ -188,7 +188,7 @@ class EventMatrixDirective(SphinxDirective):
 
 
 def _wire_table_option(arg: str | None) -> str:
-    return str(directives.choice(arg, list(diagrams.WIRE_TABLES)))
+    return str(directives.choice(arg or "", list(diagrams.WIRE_TABLES)))
 
 
 class WireDiagramDirective(SphinxDirective):

@@ -384,6 +384,6 @@ def test_built_pages_hold_what_the_code_declares(html_dir: Path) -> None:
         for row in table.rows:
             assert f'<span class="pre">{row.input.split()[-1]}</span>' in page, (table.name, row.input)
     assert page.count("<svg") == len(wire.TABLES)
-    for spec in wire.MESSAGES:
-        assert f'<span class="pre">{spec.name}</span>' in page, spec.name
+    for message in wire.MESSAGES:
+        assert f'<span class="pre">{message.name}</span>' in page, message.name
     assert 'id="threat-model"' in page
