@@ -553,7 +553,7 @@ def _infer_subject(args: argparse.Namespace, fmt: str) -> None:
         return
     args.wire = wire_of(args.check, fmt)
     if args.wire is None:
-        titles = [f"kvfsm {role.value} lifecycle" for role in Role] + [wire_title(name) for name in WIRE_TABLES]
+        titles = [f"kvfsm {each.value} lifecycle" for each in Role] + [wire_title(name) for name in WIRE_TABLES]
         raise UsageError(
             f"--check {args.check}: cannot tell whose diagram the file holds (its title names none of "
             f"{', '.join(repr(title) for title in titles)}): pass --role or --wire"
@@ -577,6 +577,8 @@ def run(args: argparse.Namespace) -> int:
             )
             return 1
         _infer_subject(args, fmt)
+        if args.wire is not None and args.highlight is not None:
+            raise UsageError(f"--highlight marks a lifecycle state; {args.check} holds the {args.wire} wire table")
         if args.check:
             if args.wire is not None:
                 result = check(args.check, fmt=fmt, wire=args.wire)

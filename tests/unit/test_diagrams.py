@@ -491,3 +491,15 @@ def test_wire_svg_and_png_are_laid_out_by_dot(name: str, tmp_path: Path) -> None
     # A png has no readable title: the table is found by rendering each one.
     assert kd.wire_of(png) == name
     assert main(["diagram", "--check", str(png)]) == 0
+
+
+def test_highlight_on_a_file_that_holds_a_wire_table_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Read from the file, the table takes no highlight: refused, not silently ignored.
+    path = tmp_path / "claim.mmd"
+    path.write_bytes(kd.render_wire("claim"))
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--highlight", "Failed", "--check", str(path)])
+    assert info.value.code == 2
+    assert "holds the claim wire table" in capsys.readouterr().err
