@@ -24,7 +24,7 @@ __all__ = ["main", "COMMANDS"]
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvfsm.simulate", "run N prefill->decode transfers and verify every lifecycle"),
-    "diagram": ("kvfsm.diagrams", "draw the lifecycle state diagram from the machine (mermaid, dot, svg, png)"),
+    "diagram": ("kvfsm.diagrams", "draw the lifecycle or a wire protocol table from the code (mermaid, dot, svg, png)"),
     "bench": ("kvfsm.bench", "measure the lifecycle's speed and memory against hand-written baselines"),
 }
 

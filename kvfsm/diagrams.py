@@ -25,6 +25,13 @@ Output is deterministic: the same kvfsm, `transitions` and (for svg/png)
 graphviz versions give byte-identical output, which is what `--check`
 compares. Commit text formats (mermaid, dot) when you want a check that
 does not depend on the graphviz version installed.
+
+The wire protocol's record tables (`kvfsm.backends.wire`: `decode`, `claim`,
+`room`) are drawn the same way, from their rows and nothing else
+(`render_wire`, `kvfsm diagram --wire NAME`): mermaid is `wire.mermaid()`
+itself; dot, svg and png come from `wire_dot()`, which reads the same rows.
+`--check` compares them like the lifecycle's, and reads from the file's
+title (`kvfsm wire protocol: decode records`) which table it holds.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import copy
 import difflib
 import importlib.util
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +55,8 @@ from ._cliargs import CommandError, MissingDependency, UsageError, output_path
 from ._errors import ConfigError
 from ._machine import build_machine
 from ._states import KVPoll, Role
+from .backends import wire as _wire
+from .backends.wire import WireRow, WireTable
 
 __all__ = [
     "FORMATS",
@@ -60,6 +70,12 @@ __all__ = [
     "render_text",
     "check",
     "role_of",
+    "WIRE_TABLES",
+    "wire_table",
+    "wire_title",
+    "wire_dot",
+    "render_wire",
+    "wire_of",
     "format_for_path",
     "parse_state",
     "configure",
@@ -267,6 +283,118 @@ def render_text(
     return render(role, fmt, highlight=highlight).decode("utf-8")
 
 
+# -- the wire protocol's tables ------------------------------------------------------
+
+#: The wire protocol's record tables by name, in declaration order (`kvfsm diagram --wire NAME`).
+WIRE_TABLES: dict[str, WireTable] = {table.name: table for table in _wire.TABLES}
+_ANY_NODE = "__any__"
+
+
+def wire_table(table: str | WireTable) -> WireTable:
+    """One of `WIRE_TABLES`, by name or as itself."""
+    if isinstance(table, WireTable):
+        return table
+    try:
+        return WIRE_TABLES[table]
+    except (KeyError, TypeError):
+        raise ConfigError(f"wire table must be one of {', '.join(WIRE_TABLES)}; got {table!r}") from None
+
+
+def wire_title(table: str | WireTable) -> str:
+    """The title every rendering of a wire table carries (what `--check` reads the table from)."""
+    return f"kvfsm wire protocol: {wire_table(table).name} records"
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def wire_dot(table: str | WireTable) -> str:
+    """Graphviz source of a wire table, one edge per (row, source state), drawn from its rows.
+
+    A row that leaves every state of the table is drawn once, from an
+    "any state" marker; a record that does not exist yet (a source of
+    None) is the entry dot, a dropped record (a dest of None) the exit dot.
+    Rows that send messages are blue, labelled `input / MESSAGE, ...`.
+    """
+    table = wire_table(table)
+    states = tuple(table.states)
+    title = wire_title(table)
+    lines = [
+        f"digraph {_dot_quote(title)} {{",
+        f"  graph [label={_dot_quote(title)}, labelloc=t, fontname=Helvetica, fontsize=14, rankdir=TB, nodesep=0.5];",
+        '  node [shape=box, style="rounded,filled", fillcolor=white, fontname=Helvetica, fontsize=12];',
+        "  edge [fontname=Helvetica, fontsize=10];",
+    ]
+    sources = {source for row in table.rows for source in row.sources}
+    if None in sources:
+        lines.append(f'  {_START_NODE} [label="", shape=circle, style=filled, fillcolor=black, width=0.2];')
+    for state in states:
+        lines.append(f"  {state.name} [label={_dot_quote(state.name)}];")
+    if any(set(row.sources) >= set(states) for row in table.rows):
+        lines.append(f'  {_ANY_NODE} [label="any state", shape=plaintext, style="", fontname="Helvetica-Oblique"];')
+    if any(row.dest is None for row in table.rows):
+        lines.append(f'  {_END_NODE} [label="", shape=doublecircle, style=filled, fillcolor=black, width=0.15];')
+    # One edge per (origin, target); each of its rows is one line of the label, in row order.
+    edges: dict[tuple[str, str], list[WireRow]] = {}
+    for row in table.rows:
+        target = _END_NODE if row.dest is None else row.dest.name
+        if set(row.sources) >= set(states):
+            origins = [_ANY_NODE]
+        else:
+            origins = [_START_NODE if source is None else source.name for source in row.sources]
+        for origin in origins:
+            edges.setdefault((origin, target), []).append(row)
+    for (origin, target), rows in edges.items():
+        label = "\n".join(row.input + (" / " + ", ".join(row.sends) if row.sends else "") for row in rows)
+        style = ", color=navy, fontcolor=navy" if any(row.sends for row in rows) else ""
+        lines.append(f"  {origin} -> {target} [label={_dot_quote(label)}{style}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def render_wire(table: str | WireTable, fmt: str = "mermaid") -> bytes:
+    """A wire table (`decode`, `claim`, `room`) drawn in `fmt` (one of `FORMATS`), as bytes.
+
+    mermaid is `kvfsm.backends.wire.mermaid()`; dot is `wire_dot()`; svg and
+    png are that laid out by graphviz's `dot` program (`GraphvizMissing` if
+    it is not on PATH; the Python package is not needed).
+    """
+    table = wire_table(table)
+    if fmt not in FORMATS:
+        raise ConfigError(f"diagram format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if fmt == "mermaid":
+        return _wire.mermaid(table).encode("utf-8")
+    source = wire_dot(table)
+    if fmt == "dot":
+        return source.encode("utf-8")
+    _require_dot_program(fmt)
+    dot = _dot_program()
+    assert dot is not None
+    try:
+        done = subprocess.run([dot, f"-T{fmt}"], input=source.encode("utf-8"), capture_output=True, check=True)
+    except subprocess.CalledProcessError as exc:
+        raise CommandError(
+            f"graphviz's dot failed on the {table.name} table: {exc.stderr.decode(errors='replace')}"
+        ) from None
+    return done.stdout
+
+
+def wire_of(path: str | Path, fmt: str | None = None) -> str | None:
+    """The wire table whose diagram the file at `path` holds, or None (as `role_of` for roles)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    named = [name for name in WIRE_TABLES if wire_title(name).encode() in data]
+    if len(named) == 1:
+        return named[0]
+    fmt = fmt or format_for_path(path) or "mermaid"
+    matching = [name for name in WIRE_TABLES if render_wire(name, fmt) == data]
+    return matching[0] if len(matching) == 1 else None
+
+
 def format_for_path(path: str | Path) -> str | None:
     """The format a file name implies (`.mmd`, `.dot`/`.gv`, `.svg`, `.png`), or None."""
     return _SUFFIXES.get(Path(path).suffix.lower())
@@ -281,11 +409,13 @@ class DiagramCheck:
     up_to_date: bool
     missing: bool
     diff: str
+    #: What the file was compared with: the lifecycle machine, or the wire protocol's tables.
+    source: str = "the machine"
 
     def explain(self, command: str) -> str:
         if self.up_to_date:
-            return f"{self.path}: up to date with the machine ({self.fmt})"
-        what = "does not exist" if self.missing else "differs from what the machine renders now"
+            return f"{self.path}: up to date with {self.source} ({self.fmt})"
+        what = "does not exist" if self.missing else f"differs from what {self.source} renders now"
         text = f"{self.path} {what} ({self.fmt}); regenerate it with:\n  {command}\n"
         return text + self.diff
 
@@ -296,38 +426,56 @@ def check(
     fmt: str | None = None,
     *,
     highlight: KVPoll | str | int | None = None,
+    wire: str | WireTable | None = None,
 ) -> DiagramCheck:
-    """Compare the diagram committed at `path` with the one the machine renders now."""
+    """Compare the diagram committed at `path` with the one the code renders now.
+
+    That is `role`'s lifecycle, or with `wire` given that wire table
+    (`decode`, `claim`, `room`; `role` and `highlight` do not apply then).
+    """
     path = Path(path)
     fmt = fmt or format_for_path(path) or "mermaid"
-    expected = render(role, fmt, highlight=highlight)
+    if wire is not None and highlight is not None:
+        raise ConfigError("highlight marks a lifecycle state; a wire table's diagram takes none")
+    if wire is None:
+        expected, source, now = render(role, fmt, highlight=highlight), "the machine", "machine now"
+    else:
+        expected, source, now = render_wire(wire, fmt), "kvfsm.backends.wire", "wire tables now"
     try:
         actual = path.read_bytes()
     except FileNotFoundError:
-        return DiagramCheck(path, fmt, False, True, "")
+        return DiagramCheck(path, fmt, False, True, "", source)
     if actual == expected:
-        return DiagramCheck(path, fmt, True, False, "")
+        return DiagramCheck(path, fmt, True, False, "", source)
     diff = ""
     if fmt in TEXT_FORMATS:
         lines = difflib.unified_diff(
             actual.decode("utf-8", "replace").splitlines(keepends=True),
             expected.decode("utf-8").splitlines(keepends=True),
             fromfile=f"{path} (committed)",
-            tofile=f"{path} (machine now)",
+            tofile=f"{path} ({now})",
         )
         diff = "".join(lines)
-    return DiagramCheck(path, fmt, False, False, diff)
+    return DiagramCheck(path, fmt, False, False, diff, source)
 
 
 # -- the `kvfsm diagram` command ---------------------------------------------------
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    subject = parser.add_mutually_exclusive_group()
+    subject.add_argument(
         "--role",
         choices=[r.value for r in Role],
         default=None,
         help="whose lifecycle to draw (default: sender; with --check, the role the file's title names)",
+    )
+    subject.add_argument(
+        "--wire",
+        choices=list(WIRE_TABLES),
+        default=None,
+        help="draw a wire protocol table instead (kvfsm.backends.wire): a decode room's record, "
+        "a decode's claim at the prefill, or a room id at the prefill",
     )
     parser.add_argument(
         "--format",
@@ -343,13 +491,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--check",
         metavar="PATH",
-        help="do not write: exit 1 if the diagram committed at PATH differs from what the machine renders now",
+        help="do not write: exit 1 if the diagram committed at PATH differs from what the code renders now",
     )
     parser.add_argument(
         "--highlight",
         metavar="STATE",
         type=_state_argument,
-        help="mark one state (a KVPoll name or value), e.g. a room's live state",
+        help="mark one lifecycle state (a KVPoll name or value), e.g. a room's live state",
     )
 
 
@@ -360,9 +508,13 @@ def _state_argument(text: str) -> KVPoll:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _command_line(args: argparse.Namespace, fmt: str, path: str, role: str | None = None) -> str:
-    parts = ["kvfsm diagram", f"--role {role or args.role}", f"--format {fmt}"]
-    if args.highlight is not None:
+def _command_line(
+    args: argparse.Namespace, fmt: str, path: str, *, role: str | None = None, wire: str | None = None
+) -> str:
+    """The command that writes `path` with the diagram the arguments (or `role`/`wire`) name."""
+    wire = wire or (None if role else args.wire)
+    parts = ["kvfsm diagram", f"--wire {wire}" if wire else f"--role {role or args.role}", f"--format {fmt}"]
+    if args.highlight is not None and not wire:
         parts.append(f"--highlight {args.highlight.name}")
     parts.append(f"--output {path}")
     return " ".join(parts)
@@ -388,34 +540,60 @@ def role_of(path: str | Path, fmt: str | None = None) -> Role | None:
     return matching[0] if len(matching) == 1 else None
 
 
+def _infer_subject(args: argparse.Namespace, fmt: str) -> None:
+    """Set `args.role` or `args.wire` from the --check file when neither was given."""
+    if args.role is not None or args.wire is not None:
+        return
+    if not args.check:
+        args.role = Role.SENDER.value
+        return
+    role = role_of(args.check, fmt)
+    if role is not None:
+        args.role = role.value
+        return
+    args.wire = wire_of(args.check, fmt)
+    if args.wire is None:
+        titles = [f"kvfsm {each.value} lifecycle" for each in Role] + [wire_title(name) for name in WIRE_TABLES]
+        raise UsageError(
+            f"--check {args.check}: cannot tell whose diagram the file holds (its title names none of "
+            f"{', '.join(repr(title) for title in titles)}): pass --role or --wire"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     path = args.check or args.output
     fmt = args.format or (format_for_path(path) if path else None) or "mermaid"
+    if args.wire is not None and args.highlight is not None:
+        raise UsageError("--highlight marks a lifecycle state; it does not go with --wire")
     try:
-        if args.role is None and args.check and not Path(args.check).exists():
-            # Nothing to read the role from: say so, and offer both commands.
+        if args.role is None and args.wire is None and args.check and not Path(args.check).exists():
+            # Nothing to read the diagram from: say so, and offer every command.
+            commands = [_command_line(args, fmt, args.check, role=role.value) for role in Role]
+            if args.highlight is None:
+                commands += [_command_line(args, fmt, args.check, wire=name) for name in WIRE_TABLES]
             sys.stderr.write(
                 f"{args.check} does not exist ({fmt}); create it with one of:\n"
-                + "".join(f"  {_command_line(args, fmt, args.check, role.value)}\n" for role in Role)
+                + "".join(f"  {command}\n" for command in commands)
             )
             return 1
-        if args.role is None:
-            inferred = role_of(args.check, fmt) if args.check else Role.SENDER
-            if inferred is None:
-                raise UsageError(
-                    f"--check {args.check}: cannot tell whose diagram the file holds (its title names "
-                    f"neither 'kvfsm sender lifecycle' nor 'kvfsm receiver lifecycle'): pass --role"
-                )
-            args.role = inferred.value
+        _infer_subject(args, fmt)
+        if args.wire is not None and args.highlight is not None:
+            raise UsageError(f"--highlight marks a lifecycle state; {args.check} holds the {args.wire} wire table")
         if args.check:
-            result = check(args.check, args.role, fmt, highlight=args.highlight)
+            if args.wire is not None:
+                result = check(args.check, fmt=fmt, wire=args.wire)
+            else:
+                result = check(args.check, args.role, fmt, highlight=args.highlight)
             stream = sys.stdout if result.up_to_date else sys.stderr
             stream.write(result.explain(_command_line(args, fmt, args.check)).rstrip("\n") + "\n")
             return 0 if result.up_to_date else 1
         if args.output is None and fmt not in TEXT_FORMATS:
             sys.stderr.write(f"kvfsm diagram: error: {fmt} is binary; pass --output PATH\n")
             return 2
-        data = render(args.role, fmt, highlight=args.highlight)
+        if args.wire is not None:
+            data = render_wire(args.wire, fmt)
+        else:
+            data = render(args.role, fmt, highlight=args.highlight)
     except GraphvizMissing as exc:
         sys.stderr.write(f"kvfsm diagram: error: {exc}\n")
         return 2

@@ -12,6 +12,16 @@ Nothing the reader sees about the lifecycle is typed into the docs by hand:
 * ``kvfsm-cli-reference`` runs ``kvfsm <command> --help`` for every entry
   of `kvfsm.cli.COMMANDS`, so a new command appears without a docs edit.
 
+The wire protocol page is drawn from `kvfsm.backends.wire` the same way:
+
+* ``kvfsm-wire-diagram`` inlines the SVG of one record table (`decode`,
+  `claim`, `room`) that `kvfsm.diagrams.render_wire` lays out from its rows.
+* ``kvfsm-wire-rows`` is that table's rows: input, from, to, messages sent.
+* ``kvfsm-wire-messages`` is `wire.MESSAGES`; ``kvfsm-wire-fields`` every
+  header field with the check `wire.decode` applies to it.
+* ``kvfsm-wire-bounds`` is every bound on what the network feeds an
+  endpoint, each value read from the code that enforces it.
+
 If graphviz's ``dot`` is missing the diagram falls back to its mermaid
 source and logs a warning naming the Debian package (an error under -W).
 """
@@ -35,6 +45,7 @@ from sphinx.util.docutils import SphinxDirective
 import kvfsm
 from kvfsm import diagrams
 from kvfsm._machine import lifecycle_machine
+from kvfsm.backends import wire
 from kvfsm.cli import COMMANDS, main
 
 logger = logging.getLogger(__name__)
@@ -87,6 +98,18 @@ def _inline_svg(svg: str, prefix: str, label: str) -> str:
     return svg.strip()
 
 
+def _figure(svg: str, prefix: str, caption: str, data: str) -> list[nodes.Node]:
+    """An inline SVG figure for html, its caption for the other builders."""
+    markup = (
+        f'<figure class="kvfsm-diagram" id="{prefix}" {data}>\n'
+        f"{_inline_svg(svg, prefix, caption)}\n"
+        f"<figcaption>{html.escape(caption)}</figcaption>\n</figure>\n"
+    )
+    fallback = addnodes.only(expr="not html")
+    fallback += nodes.paragraph(text=caption)
+    return [nodes.raw("", markup, format="html"), fallback]
+
+
 class DiagramDirective(SphinxDirective):
     """``kvfsm-diagram``: the lifecycle diagram of a role, drawn now from the machine."""
 
@@ -108,15 +131,7 @@ class DiagramDirective(SphinxDirective):
             logger.warning("kvfsm-diagram: %s; showing the mermaid source instead", exc, location=self.get_location())
             source = diagrams.render_text(role, "mermaid", highlight=highlight)
             return [nodes.literal_block(source, source, language="text")]
-        markup = (
-            f'<figure class="kvfsm-diagram" id="{prefix}" data-role="{role}">\n'
-            f"{_inline_svg(svg, prefix, caption)}\n"
-            f"<figcaption>{html.escape(caption)}</figcaption>\n</figure>\n"
-        )
-        # Other builders (latex, text, doctest) get the caption instead.
-        fallback = addnodes.only(expr="not html")
-        fallback += nodes.paragraph(text=caption)
-        return [nodes.raw("", markup, format="html"), fallback]
+        return _figure(svg, prefix, caption, f'data-role="{role}"')
 
 
 class TransitionsDirective(SphinxDirective):
@@ -172,6 +187,237 @@ class EventMatrixDirective(SphinxDirective):
         return [_table(header, rows, [16] + [14] * len(kvfsm.KVPoll), ["kvfsm-event-matrix"])]
 
 
+def _wire_table_option(arg: str | None) -> str:
+    return str(directives.choice(arg or "", list(diagrams.WIRE_TABLES)))
+
+
+class WireDiagramDirective(SphinxDirective):
+    """``kvfsm-wire-diagram``: one wire record table, laid out now from its rows."""
+
+    has_content = False
+    option_spec: ClassVar[dict[str, Any]] = {"table": _wire_table_option, "caption": directives.unchanged}
+
+    def run(self) -> list[nodes.Node]:
+        name = self.options.get("table", "decode")
+        caption = self.options.get("caption", f"The {name} records of the wire protocol, drawn from its table.")
+        try:
+            svg = diagrams.render_wire(name, "svg").decode("utf-8")
+        except diagrams.GraphvizMissing as exc:
+            logger.warning(
+                "kvfsm-wire-diagram: %s; showing the mermaid source instead", exc, location=self.get_location()
+            )
+            source = diagrams.render_wire(name, "mermaid").decode("utf-8")
+            return [nodes.literal_block(source, source, language="text")]
+        return _figure(svg, f"kvfsm-wire-{name}", caption, f'data-wire="{name}"')
+
+
+def _state_list(items: Any, table: wire.WireTable) -> nodes.entry:
+    states = list(items)
+    if set(states) >= set(table.states):
+        return _cell("any state")
+    return _cell(*_joined(_cell_text(state) for state in states))
+
+
+def _cell_text(state: Any) -> nodes.Node | str:
+    return "(no record yet)" if state is None else _literal(state.name)
+
+
+class WireRowsDirective(SphinxDirective):
+    """``kvfsm-wire-rows``: every row of one wire table, in declaration order."""
+
+    has_content = False
+    option_spec: ClassVar[dict[str, Any]] = {"table": _wire_table_option}
+
+    def run(self) -> list[nodes.Node]:
+        table = diagrams.wire_table(self.options.get("table", "decode"))
+        rows = []
+        for row in table.rows:
+            dest = _cell("(record dropped)") if row.dest is None else _cell(_literal(row.dest.name))
+            sends = _cell(*_joined(_literal(kind) for kind in row.sends)) if row.sends else _cell("")
+            rows.append([_cell(_literal(row.input)), _state_list(row.sources, table), dest, sends, _cell(row.doc)])
+        header = ["input", "from", "to", "sends", "meaning"]
+        return [_table(header, rows, [16, 22, 13, 14, 35], ["kvfsm-wire-rows"])]
+
+
+class WireMessagesDirective(SphinxDirective):
+    """``kvfsm-wire-messages``: `wire.MESSAGES`, with who sends each and its fields."""
+
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        rows = []
+        for (name, sender, scope, doc), spec in zip(wire.sends_table(), wire.MESSAGES, strict=True):
+            fields = _cell(*_joined(_literal(field) for field, _check in spec.fields))
+            blob = "may follow" if spec.blob else "none"
+            rows.append([_cell(_literal(name)), _cell(sender), _cell(scope), fields, _cell(blob), _cell(doc)])
+        header = ["message", "sent by", "about", "header fields", "blob", "what it says"]
+        return [_table(header, rows, [12, 9, 8, 25, 8, 38], ["kvfsm-wire-messages"])]
+
+
+class WireFieldsDirective(SphinxDirective):
+    """``kvfsm-wire-fields``: each header field, the check `wire.decode` applies, and where it appears."""
+
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        uses: dict[tuple[str, Any], list[str]] = {}
+        for spec in wire.MESSAGES:
+            for field, check in spec.fields:
+                uses.setdefault((field, check), []).append(spec.name)
+        rows = []
+        for (field, check), messages in uses.items():
+            # The codec's own description of the check, the text its refusals quote.
+            must = wire._CHECK_DOCS[check]
+            rows.append([_cell(_literal(field)), _cell(must), _cell(*_joined(_literal(m) for m in messages))])
+        return [_table(["field", "must be", "in"], rows, [14, 50, 36], ["kvfsm-wire-fields"])]
+
+
+def _size(value: int) -> str:
+    """A byte count in the largest binary unit that divides it (6 MiB, 4 KiB), else in bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if value >= 1 << shift and value % (1 << shift) == 0:
+            return f"{value >> shift} {unit}"
+    return f"{value:,} bytes"
+
+
+def _remote_defaults() -> tuple[dict[str, Any], dict[str, Any]]:
+    """RemoteConfig's defaults and ControlPlane's keyword defaults, read from the classes."""
+    import inspect
+
+    import attrs
+
+    from kvfsm.backends.control import ControlPlane
+    from kvfsm.backends.remote import RemoteConfig
+
+    config = {field.name: field.default for field in attrs.fields(RemoteConfig)}
+    plane = {
+        name: parameter.default
+        for name, parameter in inspect.signature(ControlPlane.__init__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    return config, plane
+
+
+class WireBoundsDirective(SphinxDirective):
+    """``kvfsm-wire-bounds``: what bounds the network's input to an endpoint, values from the code."""
+
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        from kvfsm.backends import _remote_endpoint, _remote_sender
+
+        config, plane = _remote_defaults()
+        window = config["heartbeat_interval"] * config["heartbeat_misses"]
+        bounds: list[tuple[str, str, str, str]] = [
+            (
+                "ZeroMQ frame size",
+                f"{_size(wire.MAX_HEADER_BYTES)} + {_size(plane['max_message_bytes'] - wire.MAX_HEADER_BYTES)}",
+                "each frame, by the PULL socket's MAXMSGSIZE (ControlPlane max_message_bytes)",
+                "ZeroMQ disconnects the sending connection before the frame is read",
+            ),
+            (
+                "messages queued per connection",
+                f"{plane['receive_queue']:,}",
+                "the PULL socket's RCVHWM (ControlPlane receive_queue)",
+                "ZeroMQ stops reading that connection until the queue drains",
+            ),
+            (
+                "frames per message",
+                "2 or 3",
+                "wire.decode (magic, header, optional blob)",
+                "dropped, counted as malformed",
+            ),
+            (
+                "header frame",
+                _size(wire.MAX_HEADER_BYTES),
+                "wire.MAX_HEADER_BYTES, checked before the JSON is parsed",
+                "dropped, counted as oversized",
+            ),
+            (
+                "blob frame (engine metadata, aux bytes)",
+                _size(wire.MAX_BLOB_BYTES),
+                "wire.MAX_BLOB_BYTES",
+                "dropped, counted as oversized",
+            ),
+            (
+                "text fields, reasons",
+                f"{wire.MAX_TEXT:,} characters",
+                "wire.MAX_TEXT (reasons are cut to kvfsm.MAX_REASON_CHARS with a marker at the call)",
+                "dropped, counted as malformed",
+            ),
+            (
+                "pages in one ROOM",
+                f"{wire.MAX_PAGES:,}",
+                "wire.MAX_PAGES (expect() refuses more at the call)",
+                "dropped, counted as malformed",
+            ),
+            (
+                "frames handled per loop turn",
+                f"{plane['frames_per_turn']}",
+                "ControlPlane frames_per_turn; the turn also ends as soon as housekeeping is due",
+                "the rest wait in ZeroMQ's queue; housekeeping runs first",
+            ),
+            (
+                "housekeeping period",
+                f"at most min({plane['tick']:g} s, heartbeat_interval / 4)",
+                "RemoteBackend's ControlPlane tick: heartbeats, liveness, expiries",
+                "runs whatever arrives",
+            ),
+            (
+                "half-open sessions (HELLO answered, not confirmed)",
+                f"{config['max_half_open']}",
+                "RemoteConfig.max_half_open",
+                "a new HELLO evicts the oldest half-open session (never a confirmed one)",
+            ),
+            (
+                "sessions, so outgoing sockets",
+                f"{config['max_sessions']}",
+                "RemoteConfig.max_sessions (one PUSH socket per session)",
+                "a HELLO is dropped once only confirmed sessions are left (counted in sessions_evicted)",
+            ),
+            (
+                "early claims and aborts of one session",
+                f"{config['max_pending_per_session']:,}",
+                "RemoteConfig.max_pending_per_session",
+                "a claim is refused (ABORT, ABORT_ACK); an abort dropped, counted in pending_dropped",
+            ),
+            (
+                "early claims and aborts, all sessions",
+                f"{config['max_pending']:,}",
+                "RemoteConfig.max_pending",
+                "the oldest is dropped (a claim refused), counted in pending_dropped",
+            ),
+            (
+                "how long an early claim or abort, or the hold of a room id, lasts",
+                f"{config['pending_ttl']:g} s",
+                "RemoteConfig.pending_ttl",
+                "an early claim is refused, an early abort forgotten, a held room id freed",
+            ),
+            (
+                "finished claims a session remembers (replays recognised)",
+                f"{_remote_endpoint._SEEN_PER_SESSION:,}",
+                "per session, oldest forgotten first",
+                "a replay older than that finds no record: dropped as stale, or held as an early claim",
+            ),
+            (
+                "room ids whose last bootstrapped generation the prefill remembers",
+                f"{_remote_sender._REMEMBER_BOOTSTRAPS:,}",
+                "fed by the prefill's own scheduler, not by the network",
+                "the oldest forgotten",
+            ),
+            (
+                "silence before a session is lost",
+                f"{window:g} s",
+                f"RemoteConfig.heartbeat_interval * heartbeat_misses (after a BYE: a grace of at most "
+                f"{_remote_endpoint._BYE_GRACE:g} s)",
+                "every room that depends on the session fails PEER_LOST",
+            ),
+        ]
+        rows = [[_cell(what), _cell(value), _cell(where), _cell(beyond)] for what, value, where, beyond in bounds]
+        header = ["what", "default", "enforced by", "beyond it"]
+        return [_table(header, rows, [24, 14, 34, 28], ["kvfsm-wire-bounds"])]
+
+
 def command_help(command: str | None) -> str:
     """What ``kvfsm [command] --help`` prints, at a fixed width."""
     argv = ["--help"] if command is None else [command, "--help"]
@@ -210,5 +456,10 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("kvfsm-transitions", TransitionsDirective)
     app.add_directive("kvfsm-event-matrix", EventMatrixDirective)
     app.add_directive("kvfsm-cli-reference", CliReferenceDirective)
+    app.add_directive("kvfsm-wire-diagram", WireDiagramDirective)
+    app.add_directive("kvfsm-wire-rows", WireRowsDirective)
+    app.add_directive("kvfsm-wire-messages", WireMessagesDirective)
+    app.add_directive("kvfsm-wire-fields", WireFieldsDirective)
+    app.add_directive("kvfsm-wire-bounds", WireBoundsDirective)
     app.add_css_file("kvfsm.css")
     return {"version": kvfsm.__version__, "parallel_read_safe": True, "parallel_write_safe": True}

@@ -373,3 +373,17 @@ def test_built_pages_hold_what_the_code_declares(html_dir: Path) -> None:
     for command in COMMANDS:
         assert f"usage: kvfsm {command}" in cli, command
     assert "<svg" in (html_dir / "index.html").read_text(encoding="utf-8")
+    # The wire page: one drawing per wire table, every message, row input and state named.
+    from kvfsm.backends import wire
+
+    page = (html_dir / "wire.html").read_text(encoding="utf-8")
+    for table in wire.TABLES:
+        assert f'data-wire="{table.name}"' in page, table.name
+        for state in table.states:
+            assert f">{state.name}</text>" in page, (table.name, state.name)
+        for row in table.rows:
+            assert f'<span class="pre">{row.input.split()[-1]}</span>' in page, (table.name, row.input)
+    assert page.count("<svg") == len(wire.TABLES)
+    for message in wire.MESSAGES:
+        assert f'<span class="pre">{message.name}</span>' in page, message.name
+    assert 'id="threat-model"' in page

@@ -10,6 +10,8 @@ import pytest
 from kvfsm import NON_TERMINAL, TERMINAL, ConfigError, KVPoll, Role
 from kvfsm import diagrams as kd
 from kvfsm._machine import lifecycle_machine
+from kvfsm.backends import wire
+from kvfsm.backends.wire import WireTable
 from kvfsm.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,3 +294,212 @@ def test_output_in_a_missing_folder_is_refused_before_rendering(
     err = capsys.readouterr().err
     assert "kvfsm diagram: error:" in err and "does not exist" in err
     assert "Traceback" not in err
+
+
+# -- the wire protocol's tables (kvfsm diagram --wire) --------------------------------
+
+WIRE_COMMITTED = sorted((REPO / "docs" / "diagrams").glob("wire-*.mmd"))
+
+
+def table_edges(table: WireTable) -> set[tuple[str, str, str]]:
+    """(origin, target, label line) for every row and source, as `wire_dot` must draw them."""
+    states = set(table.states)
+    edges = set()
+    for row in table.rows:
+        target = "__end__" if row.dest is None else row.dest.name
+        label = row.input + (" / " + ", ".join(row.sends) if row.sends else "")
+        if set(row.sources) >= states:
+            edges.add(("__any__", target, label))
+            continue
+        for source in row.sources:
+            edges.add(("__start__" if source is None else source.name, target, label))
+    return edges
+
+
+def wire_dot_edges(text: str) -> set[tuple[str, str, str]]:
+    edges = set()
+    for origin, target, label in re.findall(r'^\s*(\w+) -> (\w+) \[label="((?:[^"\\]|\\.)*)"', text, flags=re.M):
+        for line in label.split("\\n"):
+            edges.add((origin, target, line))
+    return edges
+
+
+def mermaid_wire_edges(text: str) -> set[tuple[str, str, str]]:
+    edges = set()
+    for origin, target, label in re.findall(r"^\s*(\[\*\]|\w+) --> (\[\*\]|\w+): (.+)$", text, flags=re.M):
+        edges.add((origin, target, label))
+    return edges
+
+
+@pytest.mark.parametrize("name", list(kd.WIRE_TABLES))
+def test_wire_dot_draws_exactly_the_tables_rows(name: str) -> None:
+    table = kd.WIRE_TABLES[name]
+    text = kd.render_wire(name, "dot").decode()
+    assert wire_dot_edges(text) == table_edges(table)
+    for state in table.states:
+        assert f'{state.name} [label="{state.name}"];' in text
+    # Every (origin, target) pair is one edge: rows sharing it are lines of one label.
+    pairs = re.findall(r"^\s*(\w+) -> (\w+) \[", text, flags=re.M)
+    assert len(pairs) == len(set(pairs))
+
+
+@pytest.mark.parametrize("name", list(kd.WIRE_TABLES))
+def test_wire_mermaid_is_the_wire_modules_own_drawing(name: str) -> None:
+    table = kd.WIRE_TABLES[name]
+    text = kd.render_wire(name).decode()
+    assert text == wire.mermaid(table)
+    rows = {
+        ("[*]" if source is None else source.name, "[*]" if row.dest is None else row.dest.name, label)
+        for row in table.rows
+        for source in row.sources
+        for label in [row.input + (" / " + ", ".join(row.sends) if row.sends else "")]
+    }
+    assert mermaid_wire_edges(text) == rows
+
+
+@pytest.mark.parametrize("name", list(kd.WIRE_TABLES))
+def test_every_wire_rendering_carries_its_title(name: str) -> None:
+    title = kd.wire_title(name)
+    assert title == f"kvfsm wire protocol: {name} records"
+    for fmt in ("mermaid", "dot"):
+        rendered = kd.render_wire(name, fmt).decode()
+        assert title in rendered
+        others = [other for other in kd.WIRE_TABLES if other != name]
+        assert not any(kd.wire_title(other) in rendered for other in others)
+        assert not any(f"kvfsm {role.value} lifecycle" in rendered for role in Role)
+
+
+def test_the_wire_tables_are_the_modules() -> None:
+    assert list(kd.WIRE_TABLES.values()) == list(wire.TABLES)
+    assert kd.wire_table("claim") is wire.CLAIM_TABLE
+    assert kd.wire_table(wire.ROOM_TABLE) is wire.ROOM_TABLE
+    with pytest.raises(ConfigError, match="decode, claim, room; got 'rooms'"):
+        kd.render_wire("rooms")
+    with pytest.raises(ConfigError, match="mermaid, dot, svg, png; got 'jpeg'"):
+        kd.render_wire("room", "jpeg")
+
+
+def test_the_committed_wire_diagrams_exist() -> None:
+    assert {p.name for p in WIRE_COMMITTED} == {f"wire-{name}.mmd" for name in kd.WIRE_TABLES}
+
+
+@pytest.mark.parametrize("path", WIRE_COMMITTED, ids=lambda p: p.name)
+def test_committed_wire_diagrams_match_the_tables(path: Path) -> None:
+    name = path.stem.removeprefix("wire-")
+    result = kd.check(path, wire=name)
+    assert result.up_to_date, result.explain(f"kvfsm diagram --wire {name} --output {path}")
+    assert kd.wire_of(path) == name
+
+
+@pytest.mark.parametrize("path", WIRE_COMMITTED, ids=lambda p: p.name)
+def test_a_changed_table_makes_its_committed_diagram_fail_the_check(
+    path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The code changes (a row dropped), the committed file does not: CI's check must go red.
+    name = path.stem.removeprefix("wire-")
+    table = kd.WIRE_TABLES[name]
+    dropped = table.rows[1]
+    changed = WireTable(table.name, table.states, tuple(r for r in table.rows if r is not dropped), table.doc)
+    monkeypatch.setitem(kd.WIRE_TABLES, name, changed)
+    result = kd.check(path, wire=name)
+    assert not result.up_to_date and not result.missing
+    assert f"-    {'[*]' if dropped.sources[0] is None else dropped.sources[0].name} --> " in result.diff
+    assert main(["diagram", "--wire", name, "--check", str(path)]) == 1
+    assert main(["diagram", "--check", str(path)]) == 1  # the table read from the title, even now
+    err = capsys.readouterr().err
+    assert "differs from what kvfsm.backends.wire renders now" in err
+    assert f"kvfsm diagram --wire {name} --format mermaid --output {path}" in err
+
+
+@pytest.mark.parametrize("name", list(kd.WIRE_TABLES))
+def test_wire_check_without_a_subject_reads_the_table_from_the_file(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"{name}.mmd"
+    assert main(["diagram", "--wire", name, "-o", str(path)]) == 0
+    assert path.read_bytes() == kd.render_wire(name)
+    assert kd.wire_of(path) == name and kd.role_of(path) is None
+    assert main(["diagram", "--check", str(path)]) == 0
+    assert "up to date with kvfsm.backends.wire" in capsys.readouterr().out
+    path.write_text(kd.render_wire(name).decode().replace(" --> ", " -> ", 1))
+    assert main(["diagram", "--check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"kvfsm diagram --wire {name} --format mermaid --output {path}" in err
+    assert "--role" not in err
+    # Another table's file is a difference, not a pass.
+    other = next(n for n in kd.WIRE_TABLES if n != name)
+    assert main(["diagram", "--wire", other, "--check", str(path)]) == 1
+
+
+def test_wire_check_of_a_missing_file_offers_the_wire_commands_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "wire-decode.mmd"
+    assert main(["diagram", "--check", str(missing)]) == 1
+    err = capsys.readouterr().err
+    for name in kd.WIRE_TABLES:
+        assert f"kvfsm diagram --wire {name} --format mermaid --output {missing}" in err
+    assert main(["diagram", "--wire", "decode", "--check", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "--wire decode" in err and "--wire claim" not in err
+
+
+def test_wire_takes_no_highlight_and_no_role(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--wire", "room", "--highlight", "Failed"], ["--wire", "room", "--role", "sender"]):
+        with pytest.raises(SystemExit) as info:
+            main(["diagram", *argv])
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--highlight marks a lifecycle state" in err and "not allowed with argument --wire" in err
+    with pytest.raises(ConfigError, match="takes none"):
+        kd.check("x.mmd", wire="room", highlight="Failed")
+
+
+def test_wire_stdout_is_the_mermaid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--wire", "decode"]) == 0
+    assert capsys.readouterr().out == wire.mermaid(wire.DECODE_TABLE)
+    assert main(["diagram", "--wire", "decode", "--format", "png"]) == 2
+    assert "pass --output PATH" in capsys.readouterr().err
+
+
+def test_wire_svg_without_dot_names_the_debian_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kd, "_dot_program", lambda: None)
+    with pytest.raises(kd.GraphvizMissing, match=r"apt-get install graphviz"):
+        kd.render_wire("claim", "svg")
+    assert main(["diagram", "--wire", "claim", "-o", str(tmp_path / "claim.svg")]) == 2
+    assert "apt-get install graphviz" in capsys.readouterr().err
+    # dot is text kvfsm writes itself: it needs neither graphviz package nor program.
+    monkeypatch.setattr(kd, "_graphviz_importable", lambda: False)
+    assert kd.render_wire("claim", "dot").startswith(b'digraph "kvfsm wire protocol: claim records"')
+
+
+needs_dot_program = pytest.mark.skipif(kd._dot_program() is None, reason="graphviz 'dot' (Debian: graphviz) missing")
+
+
+@needs_dot_program
+@pytest.mark.parametrize("name", list(kd.WIRE_TABLES))
+def test_wire_svg_and_png_are_laid_out_by_dot(name: str, tmp_path: Path) -> None:
+    svg = kd.render_wire(name, "svg").decode()
+    assert svg == kd.render_wire(name, "svg").decode()
+    for state in kd.WIRE_TABLES[name].states:
+        assert f">{state.name}</text>" in svg
+    png = tmp_path / f"{name}.png"
+    assert main(["diagram", "--wire", name, "-o", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # A png has no readable title: the table is found by rendering each one.
+    assert kd.wire_of(png) == name
+    assert main(["diagram", "--check", str(png)]) == 0
+
+
+def test_highlight_on_a_file_that_holds_a_wire_table_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Read from the file, the table takes no highlight: refused, not silently ignored.
+    path = tmp_path / "claim.mmd"
+    path.write_bytes(kd.render_wire("claim"))
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--highlight", "Failed", "--check", str(path)])
+    assert info.value.code == 2
+    assert "holds the claim wire table" in capsys.readouterr().err
