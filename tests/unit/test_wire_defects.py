@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is needed for the KV pools")
 
-import kvfsm  # noqa: E402
-from kvfsm import FailureKind, KVPoll  # noqa: E402
-from kvfsm.backends import wire  # noqa: E402
-from kvfsm.backends.remote import RemoteConfig  # noqa: E402
-from tests.wire_sim import CONFIG, SimBackend, World  # noqa: E402
+import kvfsm
+from kvfsm import FailureKind, KVPoll
+from kvfsm.backends import wire
+from kvfsm.backends.remote import RemoteConfig
+from tests.wire_sim import CONFIG, SimBackend, World
 
 
 @pytest.fixture

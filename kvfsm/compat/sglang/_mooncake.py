@@ -42,6 +42,7 @@ mamba/SWA state transfer, no host destinations, no staging buffer.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import urllib.error
 import weakref
@@ -111,12 +112,18 @@ def _int_attr(source: Any, name: str, default: int) -> int:
     return default if isinstance(value, bool) or not isinstance(value, int) else value
 
 
+#: The handshake key every prefill and decode of one deployment share (`RemoteConfig.shared_key`):
+#: SGLang's arguments have no place for it, so it comes from the environment.
+SHARED_KEY_ENV = "KVFSM_SHARED_KEY"
+
+
 def _heartbeat_config(host: str) -> RemoteConfig:
     """kvfsm's control-plane settings, with SGLang's heartbeat knobs where they are set."""
     defaults = RemoteConfig()
     interval = timeout_from_env(HEARTBEAT_INTERVAL_ENV, defaults.heartbeat_interval)
     misses = int(timeout_from_env(HEARTBEAT_MISSES_ENV, float(defaults.heartbeat_misses)))
-    return RemoteConfig(host=host, heartbeat_interval=interval, heartbeat_misses=max(misses, 1))
+    key = os.environ.get(SHARED_KEY_ENV) or None
+    return RemoteConfig(host=host, heartbeat_interval=interval, heartbeat_misses=max(misses, 1), shared_key=key)
 
 
 def _track_prefills(manager: MooncakeKVManager) -> Callable[[StateChange], None]:

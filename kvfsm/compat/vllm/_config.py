@@ -61,6 +61,10 @@ class ConnectorConfig:
     vLLM to retry later (`None` from `get_num_new_matched_tokens`) while
     `max_inflight_loads` loads are running (null: no limit).
     `backend_options` go to the backend's constructor as keyword arguments.
+    `shared_key` (a string of 16 characters or more, the same on every
+    prefill and decode) authenticates the cross-process handshake
+    (`RemoteConfig.shared_key`); without it any process that reaches a
+    control port may open a session (see the docs' threat model).
     """
 
     backend: str = "mooncake"
@@ -75,6 +79,7 @@ class ConnectorConfig:
     heartbeat_misses: int = 3
     max_inflight_loads: int | None = None
     backend_options: Mapping[str, Any] = attrs.field(factory=dict)
+    shared_key: str | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, *, kv_port: int = DEFAULT_PORT) -> ConnectorConfig:
@@ -98,6 +103,9 @@ class ConnectorConfig:
         if not isinstance(options, Mapping):
             raise ConfigError(f"kv_connector_extra_config['backend_options'] must be a mapping; got {options!r}")
         inflight = extra.get("max_inflight_loads")
+        key = extra.get("shared_key")
+        if key is not None and (not isinstance(key, str) or len(key) < 16):
+            raise ConfigError("kv_connector_extra_config['shared_key'] must be a string of at least 16 characters")
 
         def seconds(key: str) -> float:
             return _seconds(key, extra.get(key, getattr(defaults, key)))
@@ -117,6 +125,7 @@ class ConnectorConfig:
             heartbeat_misses=_int("heartbeat_misses", extra.get("heartbeat_misses", defaults.heartbeat_misses), 1),
             max_inflight_loads=None if inflight is None else _int("max_inflight_loads", inflight, 1),
             backend_options=dict(options),
+            shared_key=key,
         )
 
     @property

@@ -191,6 +191,7 @@ class WorkerHalf:
                 port=port,
                 heartbeat_interval=self.config.heartbeat_interval,
                 heartbeat_misses=self.config.heartbeat_misses,
+                shared_key=self.config.shared_key,
             )
             return cls(manager, remote, **options)
         return cls(manager, **options)
