@@ -222,23 +222,32 @@ class WireModel(RuleBasedStateMachine):
         """True one time in four: keeps the destructive moves from drowning the transfers."""
         return data.draw(st.integers(0, 3), label="rarely") == 0
 
-    @rule(data=st.data())
-    def advance(self, data: st.DataObject) -> None:
-        """A scheduler moves one request along: its next bootstrap, expect or chunk."""
-        request = self._pick(data, lambda r: not r.prefill_closed and not r.decode_closed)
-        if request is not None:
+    @rule(data=st.data(), steps=st.integers(1, 5))
+    def advance(self, data: st.DataObject, steps: int) -> None:
+        """The schedulers move one request along a few steps (bootstrap, expect, chunk), the network maybe in between."""
+        request = self._pick(data, lambda r: not r.prefill_closed or not r.decode_closed)
+        for _ in range(steps if request is not None else 0):
+            assert request is not None
             self._advance(request, data)
+            if data.draw(st.booleans(), label="network in between"):
+                self.world.quiet_network(rounds=1)
 
     def _advance(self, request: Request, data: st.DataObject | None) -> None:
-        if not request.prefill_bootstrapped:
+        """The next thing either scheduler does for `request` (a side already closed does nothing)."""
+        prefill_open, decode_open = not request.prefill_closed, not request.decode_closed
+        if prefill_open and not request.prefill_bootstrapped:
             request.prefill_bootstrapped = True
             self.world.prefill.bootstrap(request.prefill, "sim://prefill")
-        elif not request.decode_bootstrapped:
+        elif decode_open and not request.decode_bootstrapped:
             request.decode_bootstrapped = True
             request.decode_backend.bootstrap(request.decode, "sim://prefill")
-        elif not request.expected and request.decode.state is KVPoll.WaitingForInput:
+        elif decode_open and not request.expected and request.decode.state is KVPoll.WaitingForInput:
             self.expect(data, request)
-        elif request.prefill.state in (KVPoll.WaitingForInput, KVPoll.Transferring) and request.sent != -1:
+        elif (
+            prefill_open
+            and request.prefill.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            and request.sent != -1
+        ):
             self.send(data, request.npages, request)
 
     @rule(data=st.data(), side=st.sampled_from(["prefill", "decode"]))
@@ -486,8 +495,7 @@ class WireModel(RuleBasedStateMachine):
             # until every deadline (60 s) has passed.
             for _ in range(6):
                 for request in self.requests:
-                    if not (request.prefill_closed or request.decode_closed):
-                        self._advance(request, None)
+                    self._advance(request, None)
                 world.settle()
             for _ in range(140):
                 world.settle()
@@ -530,7 +538,16 @@ def patched(target: Any, name: str, replacement: Any) -> Iterator[None]:
         setattr(target, name, original)
 
 
-_HUNT = settings(max_examples=1500, stateful_step_count=60, phases=[Phase.generate], deadline=None, database=None)
+# Derandomized: the same examples on every run, so whether each re-introduced defect is found
+# does not depend on luck (each is found within 200 examples today; 400 leaves a margin).
+_HUNT = settings(
+    max_examples=400,
+    stateful_step_count=60,
+    phases=[Phase.generate],
+    deadline=None,
+    database=None,
+    derandomize=True,
+)
 
 
 def _model_fails() -> str:
