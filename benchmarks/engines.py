@@ -13,12 +13,18 @@ For each page size (64 KiB and 1 MiB by default) and each engine:
   kvfsm (Mooncake `transfer_sync_write`; NIXL WRITE, poll to DONE, wait for
   the notification), in one process over the same transport. The
   difference to the lifecycle figure is what kvfsm's lifecycle and control
-  plane add per request.
+  plane add per request;
+* control round trip (`--control-requests`, remote engines): rooms with no
+  page at all, one after another, timed on the decode from `expect()` to
+  Success: the claim (ROOM) to the prefill, its scheduler's empty last
+  chunk, and DONE back; no engine write. It runs on the public API only,
+  so the same file measures an older kvfsm tree too (`PYTHONPATH=OLD`).
 
 Every figure comes from this one run; ratios are against the local backend
 of the same run. No data checks here (`kvfsm simulate` does those).
 
-    PYTHONPATH=. python benchmarks/engines.py [--requests 40] [--latency-requests 200] [--json out.json]
+    PYTHONPATH=. python benchmarks/engines.py [--requests 40] [--latency-requests 200]
+        [--control-requests 200] [--control-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -143,6 +149,88 @@ def _raw_case(engine: str, page_size: int, count: int) -> dict[str, Any]:
     return {"median_s": statistics.median(times), "p99_s": sorted(times)[int(0.99 * (len(times) - 1))]}
 
 
+def _control_side(role: str, engine: str, count: int, conn: Connection) -> None:
+    """One endpoint of the control round trip; the prefill sends its address, the decode its timings."""
+    import torch
+
+    import kvfsm
+    from kvfsm.backends import get_backend
+    from kvfsm.backends.base import KVPools
+    from kvfsm.backends.remote import RemoteConfig
+
+    manager = kvfsm.TransferManager(role)
+    backend = get_backend(engine)(manager, RemoteConfig(heartbeat_interval=0.5))  # type: ignore[call-arg]
+    backend.register_pools(KVPools.from_tensors(torch.zeros(1, 4, 16), torch.zeros(1, 4, 16), torch.zeros(2, 8)))
+    deadline = 10.0
+
+    def wait(handle: Any, states: tuple[kvfsm.KVPoll, ...]) -> None:
+        start = time.perf_counter()
+        while handle.state not in states:
+            if time.perf_counter() - start > deadline:
+                raise RuntimeError(f"room {handle.room} stuck in {handle.state.name}")
+            time.sleep(0.00005)
+
+    done = (kvfsm.KVPoll.Success, kvfsm.KVPoll.Failed)
+    if role == "sender":
+        conn.send(backend.address)
+        for room in range(count + 10):
+            handle = manager.open(room)
+            backend.bootstrap(handle, backend.address)
+            wait(handle, (kvfsm.KVPoll.WaitingForInput, kvfsm.KVPoll.Failed))
+            backend.send(handle, [], last=True)
+            wait(handle, done)
+            manager.close(room)
+        conn.send("done")
+    else:
+        prefill = conn.recv()
+        times = []
+        for room in range(count + 10):
+            handle = manager.open(room)
+            backend.bootstrap(handle, prefill)
+            wait(handle, (kvfsm.KVPoll.WaitingForInput, kvfsm.KVPoll.Failed))
+            start = time.perf_counter()
+            backend.expect(handle, [])
+            wait(handle, done)
+            if handle.state is not kvfsm.KVPoll.Success:
+                raise RuntimeError(f"room {room} failed: {handle.reason}")
+            times.append(time.perf_counter() - start)
+            manager.close(room)
+        conn.send(times[10:])  # the first rooms open the connection and warm up
+    conn.recv()  # stay up until the parent says both ended
+    backend.close()
+    os._exit(0)
+
+
+def _control_case(engine: str, count: int) -> dict[str, Any]:
+    """Median and p90 of the control round trip (see the module docstring), two processes."""
+    ctx = multiprocessing.get_context("spawn")
+    ends = [ctx.Pipe() for _ in range(2)]
+    processes = [
+        ctx.Process(target=_control_side, args=(role, engine, count, child), daemon=True)
+        for role, (_parent, child) in zip(("sender", "receiver"), ends, strict=True)
+    ]
+    for process in processes:
+        process.start()
+    prefill_conn, decode_conn = ends[0][0], ends[1][0]
+    try:
+        if not prefill_conn.poll(120):
+            raise RuntimeError("the prefill did not start")
+        decode_conn.send(prefill_conn.recv())
+        if not decode_conn.poll(600):
+            raise RuntimeError("the control round trip did not finish")
+        times = decode_conn.recv()
+        prefill_conn.poll(60)
+        for conn in (prefill_conn, decode_conn):
+            conn.send("exit")
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    times.sort()
+    return {"median_s": statistics.median(times), "p90_s": times[int(0.9 * (len(times) - 1))]}
+
+
 def _child(conn: Connection, function: Any, args: tuple[Any, ...]) -> None:
     try:
         conn.send((True, function(*args)))
@@ -174,12 +262,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="65536,1048576", help="page sizes in bytes (over 2 layers x K,V)")
     parser.add_argument("--requests", type=int, default=40, help="throughput requests per case (about 4 MiB each)")
     parser.add_argument("--latency-requests", type=int, default=200, help="sequential one-page requests per case")
+    parser.add_argument(
+        "--control-requests", type=int, default=200, help="sequential page-less rooms per remote engine (0: skip)"
+    )
+    parser.add_argument("--control-only", action="store_true", help="measure only the control round trip")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     # Loopback TCP for NIXL too (UCX would otherwise pick shared memory between local processes).
     os.environ.setdefault("UCX_TLS", "tcp")
     engines = args.engines.split(",")
     rows: list[dict[str, Any]] = []
+    control = {
+        engine: _control_case(engine, args.control_requests)
+        for engine in engines
+        if engine != "local" and args.control_requests > 0
+    }
+    for engine, figures in control.items():
+        print(
+            f"control round trip, {engine}: median {figures['median_s'] * 1e6:.0f} us, "
+            f"p90 {figures['p90_s'] * 1e6:.0f} us ({args.control_requests} page-less rooms)"
+        )
+    if args.control_only:
+        return 0
     for page_size in (int(s) for s in args.sizes.split(",")):
         pages = max(1, REQUEST_BYTES // page_size)
         for engine in engines:
@@ -207,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print(rows)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(rows, fh, indent=2)
+            json.dump({"cases": rows, "control": control}, fh, indent=2)
     return 0
 
 

@@ -179,6 +179,8 @@ class Transport(Protocol):
 
     def close_channel(self, channel: Any) -> None: ...
 
+    def wake(self) -> None: ...
+
 
 def pools_fields(pools: KVPools) -> dict[str, Any]:
     def regions(items: tuple[MemoryRegion, ...]) -> list[list[Any]]:

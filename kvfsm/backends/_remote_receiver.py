@@ -151,6 +151,8 @@ class ReceiverSide(RemoteEndpoint):
                     self._emit(rec.session, row, rec.fields)
         if problem is not None:
             self._reject(handle, problem)
+        if self.engine.receiver_progress:
+            self.transport.wake()  # the engine needs polling from now on, not at the next tick
 
     def _stop_receiver(self, handle: TransferHandle) -> None:
         with self._lock:

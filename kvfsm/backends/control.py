@@ -24,6 +24,7 @@ out or being checked:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -119,6 +120,15 @@ class ControlPlane:
         else:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        # A wake-up line into the thread's poll: `wake()` makes housekeeping run now.
+        self._wake_address = f"inproc://kvfsm-wake-{id(self):x}"
+        self._wake_in = self._ctx.socket(zmq.PULL)
+        self._wake_in.setsockopt(zmq.LINGER, 0)
+        self._wake_in.bind(self._wake_address)
+        self._wake_out = self._ctx.socket(zmq.PUSH)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(self._wake_address)
+        self._wake_lock = threading.Lock()
         self._channels: set[Channel] = set()
         self._channels_lock = threading.Lock()
         self._raw: dict[str, Channel] = {}
@@ -147,6 +157,9 @@ class ControlPlane:
             self._channels.clear()
         for channel in channels:
             self._close_socket(channel)
+        with self._wake_lock:
+            self._wake_out.close(linger=0)
+        self._wake_in.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
 
@@ -199,6 +212,13 @@ class ControlPlane:
         self.stats.sent += 1
         return True
 
+    def wake(self) -> None:
+        """Run housekeeping at once (from any thread), e.g. when an engine now needs polling."""
+        with self._wake_lock:
+            if not self._stop.is_set():
+                with contextlib.suppress(zmq.ZMQError):  # a wake-up is already queued
+                    self._wake_out.send(b"", flags=zmq.NOBLOCK)
+
     def send_raw(self, addr: str, frames: list[bytes]) -> None:
         """Send arbitrary frames to `addr` (tests use it to play a hostile peer)."""
         channel = self._raw.get(addr)
@@ -212,6 +232,7 @@ class ControlPlane:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         next_house = self._clock()
         while not self._stop.is_set():
             try:
@@ -227,6 +248,13 @@ class ControlPlane:
                     ready = dict(poller.poll(0))
                     if not ready and wait > 0:
                         time.sleep(wait)
+                if self._wake_in in ready:
+                    while True:
+                        try:
+                            self._wake_in.recv(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    next_house = self._clock()
                 if self._pull in ready:
                     for _ in range(self._frames_per_turn):
                         try:
