@@ -77,17 +77,18 @@ class Pending:
 
     def __init__(self, per_session: int, total: int, pages: int) -> None:
         self.per_session, self.total, self.max_pages = per_session, total, pages
-        self._items: OrderedDict[tuple[int, Any], tuple[float, Slot, Any]] = OrderedDict()
+        # Keyed by (session id, (room, gen)): a session's sid is never reused, unlike id(session).
+        self._items: OrderedDict[tuple[str, Any], tuple[float, Slot, Any]] = OrderedDict()
         # Each session's keys, oldest first; a key removed meanwhile is skipped when met.
-        self._order: dict[int, deque[tuple[int, Any]]] = {}
-        self._count: Counter[int] = Counter()
+        self._order: dict[str, deque[tuple[str, Any]]] = {}
+        self._count: Counter[str] = Counter()
         self.pages = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
+    def holds(self, session: Session, key: tuple[Any, int]) -> bool:
+        return (session.sid, key) in self._items
 
     def admit(self, session: Session, pages: int) -> list[tuple[Slot, Any]] | None:
         """Make room for one more entry of `session` listing `pages` pages.
@@ -98,7 +99,7 @@ class Pending:
         if pages > self.max_pages:
             return None
         dropped = []
-        owner = id(session)
+        owner = session.sid
         order = self._order.get(owner)
         while order and self._count[owner] >= self.per_session:
             key = order.popleft()
@@ -109,7 +110,7 @@ class Pending:
         return dropped
 
     def add(self, session: Session, key: tuple[Any, int], now: float, slot: Slot, item: Any) -> None:
-        entry, owner = (id(session), key), id(session)
+        entry, owner = (session.sid, key), session.sid
         self._items[entry] = (now, slot, item)
         order = self._order.setdefault(owner, deque())
         order.append(entry)
@@ -121,8 +122,8 @@ class Pending:
             self.pages += len(item.pages)
 
     def remove(self, session: Session, key: tuple[Any, int]) -> None:
-        if (id(session), key) in self._items:
-            self._pop((id(session), key))
+        if (session.sid, key) in self._items:
+            self._pop((session.sid, key))
 
     def expired(self, now: float, ttl: float) -> list[tuple[Slot, Any]]:
         out = []
@@ -133,7 +134,7 @@ class Pending:
             out.append(self._pop(key))
         return out
 
-    def _pop(self, key: tuple[int, Any]) -> tuple[Slot, Any]:
+    def _pop(self, key: tuple[str, Any]) -> tuple[Slot, Any]:
         _since, slot, item = self._items.pop(key)
         owner = key[0]
         self._count[owner] -= 1
@@ -594,7 +595,7 @@ class SenderSide(WriterThread):
                 handle = slot.handle
                 fire.append(lambda: handle.fail(reason))
             elif slot is None or slot.wire is None:
-                if (id(session), key) in self._pending:
+                if self._pending.holds(session, key):
                     self.remote_stats.stale_messages += 1  # a duplicate of an early abort held already
                     return
                 if not self._admit_pending(session, 0):
