@@ -375,6 +375,10 @@ class WireModel(RuleBasedStateMachine):
         if frames is None:
             return
         target, payload = frames
+        # Notices still on their way would be applied by any frame's catch-up (`_catch_up`):
+        # let them land first, so that what changes can only be the forged frame's doing.
+        for endpoint in self.world.endpoints:
+            endpoint.deliver_notices()
         before = self._snapshot()
         self.world.net.endpoints[target].receive(payload)
         after = self._snapshot()
