@@ -121,13 +121,13 @@ def test_a_prefill_that_gave_up_fails_the_late_decode_at_once(pd: PD) -> None:
     # No decode comes within the prefill's 3 s hold: its blocks come back.
     prefill = pd.prefill.run("empty", None, 3.0 + WAIT)
     assert prefill["reached"] and new_failures(p_before, prefill) == {"timeout": 1}
-    # The decode that comes late hears so from the prefill (an ABORT for the room it
-    # closed), not from its own 60 s deadline.
+    # The decode that comes late hears so from the prefill (an ABORT carrying the room's
+    # own failure, its hold TIMEOUT: PEER_FAILED here), not from its own 60 s deadline.
     pd.decode.add("d3", tokens, params, 3)
     decode = pd.decode.run("empty", "d3", WAIT)
     assert decode["reached"] and decode["status"] == "FINISHED_ERROR"
     assert decode["load"]["failed"] and decode["load"]["errors"] == 3
-    assert new_failures(d_before, decode) == {"aborted": 1}
+    assert new_failures(d_before, decode) == {"peer_failed": 1}
 
 
 def test_a_killed_prefill_fails_the_waiting_load_and_frees_it_after_the_drain_deadline(mooncake: None) -> None:
