@@ -14,8 +14,9 @@ tensors):
   prefill starts.
 
 Each implementation runs as a prefill process and a decode process, started
-afresh for every case. Both processes of both implementations run the same
-scheduler loop (this file's ``SchedulerLoop``), written after SGLang's
+afresh for every case (``_vs_sglang_peer.py``, run by that implementation's
+interpreter). Both processes of both implementations run the same
+scheduler loop (``SchedulerLoop`` there), written after SGLang's
 disaggregation queues: up to N requests in flight; each loop turn polls
 every in-flight request; a request that reaches ``WaitingForInput`` gets its
 pages (decode: ``expect`` / ``send_metadata``; prefill: every chunk through
@@ -33,7 +34,9 @@ key) and its aux slot; once the decode sees ``Success`` it compares **every
 byte** of every page and of the aux slot. A request counts as ok only if
 both processes saw ``Success`` and every byte arrived. The cost of filling
 and checking is measured on the loop's thread and left out of the CPU
-figures.
+figures; torch runs one intra-op thread in every child (otherwise its OpenMP
+workers spin on the second core after each check and slow down both
+implementations, kvfsm's one-page latency by 1.7x here).
 
 Cases (each both implementations, back to back, the order alternating):
 
@@ -65,7 +68,7 @@ From the project root, with kvfsm importable (``PYTHONPATH=.``), Mooncake
 
     PYTHONPATH=. python benchmarks/vs_sglang.py --sglang-python /path/to/sglang-venv/bin/python
     PYTHONPATH=. python benchmarks/vs_sglang.py                 # kvfsm's figures alone
-    PYTHONPATH=. python benchmarks/vs_sglang.py --quick         # a smaller run (~1 min with SGLang)
+    PYTHONPATH=. python benchmarks/vs_sglang.py --quick         # lat,4,16 with fewer requests
     PYTHONPATH=. python benchmarks/vs_sglang.py --cases lat,16 --json out.json
 
 SGLang needs its own interpreter (it brings its own torch): a venv with
@@ -113,6 +116,7 @@ SETUP_TIMEOUT = 300.0  # a child's imports and engine start (SGLang takes ~20 s 
 EXIT_GRACE = 15.0  # a child's own shutdown before it is terminated
 IMPLS = ("kvfsm", "sglang")
 IMPL_TITLES = {"kvfsm": "kvfsm over Mooncake", "sglang": "SGLang 0.5.23 Mooncake"}
+Key = tuple[str, str]  # (implementation, case name)
 
 
 # ============================================================================
@@ -410,24 +414,80 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def evaluate_goals(rows: dict[tuple[str, str], dict[str, Any]]) -> list[Goal]:
+class Results:
+    """Every round's figures, and what the report prints from them.
+
+    With one round (the default) those are the round's own figures. With
+    `--repeat N`: counts summed over the rounds, every other figure the
+    median of the rounds' figures, and each ratio the median of the ratios
+    within a round (kvfsm and SGLang of the same round ran back to back, so
+    a busy spell on a shared machine moves both).
+    """
+
+    def __init__(self) -> None:
+        self.rounds: dict[Key, list[dict[str, Any]]] = collections.defaultdict(list)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rounds[(row["impl"], row["case"])].append(row)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.rounds
+
+    def impls(self) -> list[str]:
+        return [impl for impl in IMPLS if any(i == impl for i, _ in self.rounds)]
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for rows in self.rounds.values() for row in rows]
+
+    def row(self, key: Key) -> dict[str, Any] | None:
+        rows = self.rounds.get(key)
+        if not rows:
+            return None
+        merged = dict(rows[0])
+        for name in ("ok", "requests", "bad", "bytes_checked"):
+            merged[name] = sum(r[name] for r in rows)
+        for name in ("latency_p50_s", "latency_p90_s", "gb_s", "requests_s", "cpu_s_per_request"):
+            values = [r[name] for r in rows if r[name] is not None]
+            merged[name] = statistics.median(values) if values else None
+        failures: collections.Counter[str] = collections.Counter()
+        for r in rows:
+            failures.update(r["failures"])
+        merged["failures"] = dict(failures.most_common())
+        return merged
+
+    def ratio(self, figure: Key, baseline: Key, name: str) -> tuple[float | None, list[float]]:
+        """The median over rounds of figure / baseline within a round, and the rounds' ratios."""
+        base = {r["round"]: r for r in self.rounds.get(baseline, [])}
+        ratios = []
+        for row in self.rounds.get(figure, []):
+            other = base.get(row["round"])
+            value = _ratio(row[name], other[name]) if other is not None else None
+            if value is not None:
+                ratios.append(value)
+        return (statistics.median(ratios) if ratios else None), ratios
+
+    def shortfall(self, *keys: Key) -> str:
+        """Which of these figures rest on failed requests ("" if none)."""
+        notes = []
+        for key in keys:
+            row = self.row(key)
+            if row is not None and row["ok"] < row["requests"]:
+                notes.append(f"{key[0]} {row['ok']}/{row['requests']} ok")
+        return "; ".join(notes)
+
+
+def evaluate_goals(results: Results) -> list[Goal]:
     """The goals this run measured. A ratio meets its goal only if every request behind both figures succeeded."""
     goals = []
     for case in ("16", "64", "256"):
-        row = rows.get(("kvfsm", case))
+        row = results.row(("kvfsm", case))
         if row is not None:
             text, shown = f"kvfsm: every request succeeds at {case} in flight", f"{row['ok']}/{row['requests']}"
             goals.append(Goal(text, row["ok"] / row["requests"], 1.0, True, shown=shown))
-    for text, figure, baseline, key, limit, higher in RATIO_GOALS:
-        if figure in rows and baseline in rows:
-            short = [
-                f"{impl} {rows[(impl, case)]['ok']}/{rows[(impl, case)]['requests']} ok"
-                for impl, case in (figure, baseline)
-            ]
-            note = "; ".join(
-                s for s, k in zip(short, (figure, baseline), strict=True) if rows[k]["ok"] < rows[k]["requests"]
-            )
-            goals.append(Goal(text, _ratio(rows[figure][key], rows[baseline][key]), limit, higher, note=note))
+    for text, figure, baseline, name, limit, higher in RATIO_GOALS:
+        if figure in results and baseline in results:
+            value, _ = results.ratio(figure, baseline, name)
+            goals.append(Goal(text, value, limit, higher, note=results.shortfall(figure, baseline)))
     return goals
 
 
@@ -435,15 +495,15 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
-def format_report(cases: list[Case], rows: dict[tuple[str, str], dict[str, Any]], errors: list[str]) -> list[str]:
-    impls = [impl for impl in IMPLS if any(i == impl for i, _ in rows)]
+def format_report(cases: list[Case], results: Results, errors: list[str]) -> list[str]:
+    impls = results.impls()
     lines = [
         f"{'case':<30} {'implementation':<24} {'ok/requests':>11} {'latency p50':>12} {'p90':>10} "
         f"{'GB/s':>7} {'req/s':>7} {'CPU/request':>12}"
     ]
     for case in cases:
         for n, impl in enumerate(impls):
-            row = rows.get((impl, case.name))
+            row = results.row((impl, case.name))
             head = case.title if n == 0 else ""
             if row is None:
                 lines.append(f"{head:<30} {IMPL_TITLES[impl]:<24} {'not run':>11}")
@@ -457,25 +517,29 @@ def format_report(cases: list[Case], rows: dict[tuple[str, str], dict[str, Any]]
             )
     if len(impls) == 2:
         lines += ["", "kvfsm / SGLang, same run (latency and CPU: lower is better; throughput: higher):"]
-        lines.append(f"{'case':<30} {'latency p50':>12} {'throughput':>11} {'CPU/request':>12}")
+        lines.append(f"{'case':<30} {'latency p50':>18} {'throughput':>18} {'CPU/request':>18}")
         for case in cases:
-            ours, theirs = rows.get(("kvfsm", case.name)), rows.get(("sglang", case.name))
-            if ours is None or theirs is None:
+            ours, theirs = ("kvfsm", case.name), ("sglang", case.name)
+            if ours not in results or theirs not in results:
                 continue
             cells = []
-            for key in ("latency_p50_s", "gb_s", "cpu_s_per_request"):
-                ratio = _ratio(ours[key], theirs[key])
-                cells.append("-" if ratio is None else f"{ratio:.2f}x")
-            comparable = ours["ok"] == ours["requests"] and theirs["ok"] == theirs["requests"]
+            for name in ("latency_p50_s", "gb_s", "cpu_s_per_request"):
+                value, rounds = results.ratio(ours, theirs, name)
+                cell = "-" if value is None else f"{value:.2f}x"
+                if len(rounds) > 1:
+                    cell += f" ({min(rounds):.2f}-{max(rounds):.2f})"
+                cells.append(cell)
+            short = results.shortfall(ours, theirs)
             lines.append(
-                f"{case.title:<30} {cells[0]:>12} {cells[1]:>11} {cells[2]:>12}"
-                + ("" if comparable else "  * not comparable: some requests failed")
+                f"{case.title:<30} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18}"
+                + (f"  * not comparable: {short}" if short else "")
             )
-    failing = [(key, row) for key, row in rows.items() if row["failures"]]
+    failing = [row for row in map(results.row, results.rounds) if row is not None and row["failures"]]
     if failing:
         lines += ["", "* failed requests, by reason (per process; numbers replaced by N):"]
-        for (impl, _case), row in failing:
-            lines.append(f"  {IMPL_TITLES[impl]}, {row['title']}: {row['requests'] - row['ok']} of {row['requests']}")
+        for row in failing:
+            impl = IMPL_TITLES[row["impl"]]
+            lines.append(f"  {impl}, {row['title']}: {row['requests'] - row['ok']} of {row['requests']}")
             for why, count in list(row["failures"].items())[:6]:
                 lines.append(f"    {count:>5} x {why}")
     if errors:
@@ -519,6 +583,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--case-timeout", type=float, default=120.0, help="requests still in flight then are aborted (s)"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds of every case, interleaved; medians are printed (default 1)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure, the goals and the settings there")
     args = parser.parse_args(argv)
     if args.quick:
@@ -531,7 +598,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if name != "lat" and not (name.isdigit() and int(name) > 0):
             parser.error(f"--cases: expected 'lat' or a positive number of requests in flight; got {name!r}")
     args.cases = names
-    for option in ("latency_requests", "requests", "warmup", "pages_per_request", "chunks"):
+    for option in ("latency_requests", "requests", "warmup", "pages_per_request", "chunks", "repeat"):
         value = getattr(args, option)
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1; got {value}")
@@ -563,29 +630,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     pythons = {"kvfsm": sys.executable}
     if args.sglang_python:
         pythons["sglang"] = args.sglang_python
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    results = Results()
     errors: list[str] = []
     began = time.monotonic()
     with _signals_end_children(), tempfile.TemporaryDirectory(prefix="kvfsm-vs-sglang-") as logs:
-        for n, case in enumerate(cases):
-            impls = [i for i in pythons if i == "kvfsm" or case.inflight <= args.sglang_max_inflight]
-            for impl in impls if n % 2 == 0 else impls[::-1]:  # alternate who goes first
-                _progress(
-                    f"[{time.monotonic() - began:6.1f}s] {IMPL_TITLES[impl]}: {case.title}, {case.requests} requests"
-                )
-                case_began = time.monotonic()
-                try:
-                    row = rows[(impl, case.name)] = run_pair(impl, pythons[impl], case, args, Path(logs))
-                except CaseError as exc:
-                    errors.append(f"{IMPL_TITLES[impl]}, {case.title}: {exc}")
-                    _progress(f"  could not run: {exc}")
-                    continue
-                _progress(
-                    f"  {row['ok']}/{row['requests']} ok, {row['gb_s']:.3f} GB/s, "
-                    f"latency p50 {_ms(row['latency_p50_s'])} ({time.monotonic() - case_began:.1f}s with start and stop)"
-                )
-    goals = evaluate_goals(rows)
-    versions = {impl: row["versions"] for (impl, _), row in rows.items()}
+        for round_ in range(args.repeat):
+            for n, case in enumerate(cases):
+                impls = [i for i in pythons if i == "kvfsm" or case.inflight <= args.sglang_max_inflight]
+                for impl in impls if (n + round_) % 2 == 0 else impls[::-1]:  # alternate who goes first
+                    where = f"round {round_ + 1}/{args.repeat}, " if args.repeat > 1 else ""
+                    _progress(
+                        f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {case.title}, "
+                        f"{case.requests} requests"
+                    )
+                    case_began = time.monotonic()
+                    try:
+                        row = run_pair(impl, pythons[impl], case, args, Path(logs))
+                    except CaseError as exc:
+                        errors.append(f"{where}{IMPL_TITLES[impl]}, {case.title}: {exc}")
+                        _progress(f"  could not run: {exc}")
+                        continue
+                    results.add({**row, "round": round_})
+                    _progress(
+                        f"  {row['ok']}/{row['requests']} ok, {row['gb_s']:.3f} GB/s, latency p50 "
+                        f"{_ms(row['latency_p50_s'])} ({time.monotonic() - case_began:.1f}s with start and stop)"
+                    )
+    goals = evaluate_goals(results)
+    versions = {row["impl"]: row["versions"] for row in results.rows()}
     print(
         f"kvfsm vs SGLang, {datetime.datetime.now().isoformat(timespec='minutes')}, {platform.node()}: "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
@@ -593,8 +664,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for impl, found in versions.items():
         print(f"  {IMPL_TITLES[impl]}: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
     print(f"  TCP on 127.0.0.1, CPU tensors, 64 KiB pages, every byte checked; {args.chunks} chunks per request")
+    if args.repeat > 1:
+        print(f"  {args.repeat} rounds: counts summed, figures and same-round ratios the median (range in brackets)")
     print()
-    print("\n".join(format_report(cases, rows, errors)))
+    print("\n".join(format_report(cases, results, errors)))
     if "sglang" not in pythons:
         print("\nSGLang: not run (give its interpreter with --sglang-python PATH); kvfsm's figures alone.")
     print("\ngoals (issue 12):")
@@ -604,12 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "settings": vars(args),
-            "results": list(rows.values()),
+            "results": results.rows(),
+            "summary": [results.row(key) for key in results.rounds],
             "goals": [asdict(goal) for goal in goals],
             "errors": errors,
         }
         Path(args.json).write_text(json.dumps(data, indent=2))
-    if any(row["bad"] for row in rows.values()):
+    if any(row["bad"] for row in results.rows()):
         return 1
     return 2 if errors else 0
 

@@ -12,6 +12,7 @@ killed outright. SGLang is not needed (its side is skipped without
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -67,6 +69,52 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [p for p in pids if _alive(p)]
+
+
+def _load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vs_sglang", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vs_sglang"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _report(rooms: dict[int, tuple[float, float, bool]], cpu: float) -> dict[str, Any]:
+    records = [
+        {"room": r, "start": s, "end": e, "ok": ok, **({} if ok else {"why": f"lost {r} at t=1.5"})}
+        for r, (s, e, ok) in rooms.items()
+    ]
+    return {"rooms": records, "cpu_s": cpu, "harness_cpu_s": cpu / 4}
+
+
+def test_rounds_join_into_medians_and_same_round_ratios() -> None:
+    bench = _load_bench()
+    case = bench.Case("16", 16, 4, 2, 2, 1)  # 2 measured requests (rooms 1, 2) after room 0
+    results = bench.Results()
+    # Round 0: kvfsm twice SGLang's throughput; round 1: kvfsm loses room 2 on the decode.
+    for round_, (kvfsm_end, kvfsm_ok) in enumerate([(0.5, True), (0.25, False)]):
+        for impl, end, ok in (("kvfsm", kvfsm_end, kvfsm_ok), ("sglang", 1.0, True)):
+            prefill = _report({0: (0.0, 0.1, True), 1: (0.0, end, True), 2: (0.0, end, True)}, cpu=0.4)
+            decode = _report({0: (0.0, 0.1, True), 1: (0.0, end, True), 2: (0.0, end, ok)}, cpu=0.4)
+            row = bench.summarize(case, impl, {"prefill": prefill, "decode": decode})
+            results.add({**row, "round": round_})
+    kvfsm, sglang = results.row(("kvfsm", "16")), results.row(("sglang", "16"))
+    assert (kvfsm["ok"], kvfsm["requests"], sglang["ok"], sglang["requests"]) == (3, 4, 4, 4)
+    assert kvfsm["failures"] == {"decode: lost N at t=N": 1}
+    assert kvfsm["bytes_checked"] == 3 * 4 * 65536
+    assert kvfsm["cpu_s_per_request"] == pytest.approx(2 * (0.4 - 0.1) / 2)  # both processes, harness left out
+    # Throughput counts only verified requests: round 0 2x SGLang, round 1 (1 of 2 ok, in a quarter of the time) 2x.
+    value, rounds = results.ratio(("kvfsm", "16"), ("sglang", "16"), "gb_s")
+    assert rounds == pytest.approx([2.0, 2.0]) and value == pytest.approx(2.0)
+    goals = {goal.text: goal for goal in bench.evaluate_goals(results)}
+    every = goals["kvfsm: every request succeeds at 16 in flight"]
+    assert not every.met and "3/4" in every.line()
+    throughput = goals["throughput at 16 in flight, kvfsm / SGLang"]
+    assert throughput.value == pytest.approx(2.0) and not throughput.met  # above 1.5x, but a request failed
+    assert "not comparable: kvfsm 3/4 ok" in throughput.line()
+    report = "\n".join(bench.format_report([case], results, []))
+    assert "* not comparable: kvfsm 3/4 ok" in report and "2.00x (2.00-2.00)" in report
 
 
 def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -> None:
