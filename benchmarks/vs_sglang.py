@@ -332,7 +332,7 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
                 failures[f"{side}: not started before the case deadline"] += 1
             elif not records[r]["ok"]:
                 failures[f"{side}: {_normalize(records[r].get('why', '?'))}"] += 1
-    cpu = sum(reports[side]["cpu_s"] - reports[side]["harness_cpu_s"] for side in ("prefill", "decode"))
+    own_cpu = {side: reports[side]["cpu_s"] - reports[side]["harness_cpu_s"] for side in ("prefill", "decode")}
     request_bytes = case.pages * PAGE_BYTES
     return {
         "impl": impl,
@@ -342,18 +342,17 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
         "request_bytes": request_bytes,
         "requests": case.requests,
         "ok": len(ok_rooms),
-        "bad": sum(1 for r in decode.values() if r.get("bad")),
+        "bad": sum(1 for r in decode.values() if r.get("bad")),  # warm-up requests included
         "bytes_checked": len(ok_rooms) * request_bytes,
         "elapsed_s": elapsed,
         "latency_p50_s": statistics.median(latencies) if latencies else None,
         "latency_p90_s": latencies[int(0.9 * (len(latencies) - 1))] if latencies else None,
         "gb_s": len(ok_rooms) * request_bytes / elapsed / 1e9 if elapsed else 0.0,
         "requests_s": len(ok_rooms) / elapsed if elapsed else 0.0,
-        "cpu_s_per_request": cpu / case.requests,
-        "cpu_prefill_s_per_request": (reports["prefill"]["cpu_s"] - reports["prefill"]["harness_cpu_s"])
-        / case.requests,
-        "cpu_decode_s_per_request": (reports["decode"]["cpu_s"] - reports["decode"]["harness_cpu_s"]) / case.requests,
-        "harness_cpu_s_per_request": sum(reports[s]["harness_cpu_s"] for s in reports) / case.requests,
+        "cpu_s_per_request": sum(own_cpu.values()) / case.requests,
+        "cpu_prefill_s_per_request": own_cpu["prefill"] / case.requests,
+        "cpu_decode_s_per_request": own_cpu["decode"] / case.requests,
+        "harness_cpu_s_per_request": sum(reports[side]["harness_cpu_s"] for side in reports) / case.requests,
         "failures": dict(failures.most_common()),
     }
 
