@@ -601,6 +601,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, option)
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1; got {value}")
+    for option, positive in (("room_timeout", True), ("case_timeout", True), ("drain", True), ("poll_sleep", False)):
+        value = getattr(args, option)
+        if not (value > 0 or (value == 0 and not positive)):  # NaN fails both
+            parser.error(
+                f"--{option.replace('_', '-')} must be {'positive' if positive else 'at least 0'}; got {value}"
+            )
     if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
         parser.error(f"--sglang-python: {args.sglang_python} is not an executable")
     return args
