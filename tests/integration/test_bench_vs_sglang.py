@@ -6,7 +6,8 @@ every request succeeds with every byte checked; requests that fail (phase
 deadlines far too short) or never start (a case deadline far too short)
 are counted and explained, not a crash; and every process the benchmark
 starts is gone when it returns, also when it is stopped by SIGTERM or
-killed outright. SGLang is not needed (its side is skipped without
+killed outright. The joining of rounds, ratios and goals is checked on
+synthetic reports. SGLang is not needed (its side is skipped without
 `--sglang-python`).
 """
 
