@@ -108,8 +108,11 @@ class RemoteConfig:
     """Where an endpoint listens, how fast it notices a dead peer, and its bounds.
 
     A peer silent for `heartbeat_interval * heartbeat_misses` seconds is
-    lost. `poll_interval` is how long the prefill's writer naps when no
-    write moved. `pending_ttl` bounds how long the prefill keeps a decode's
+    lost. `poll_interval` is the longest the prefill's writer naps while
+    writes are in flight and none moved (it naps 20 us first, doubling).
+    `max_writes_in_flight` caps the engine writes in flight to one decode
+    (None: the engine's own safe figure, e.g. half of Mooncake's per-peer
+    TCP queue); the rest wait, shared fairly between rooms. `pending_ttl` bounds how long the prefill keeps a decode's
     claim (or abort) that arrived before its own `bootstrap()`, and how long
     it holds a room id whose generation ended unclaimed. `shared_key`
     (16 bytes or more, the same on every endpoint) authenticates the
@@ -125,7 +128,7 @@ class RemoteConfig:
     port: int = attrs.field(default=0, validator=_count("port", 0, 65535))
     heartbeat_interval: float = attrs.field(default=1.0, validator=_positive("heartbeat_interval"))
     heartbeat_misses: int = attrs.field(default=3, validator=_count("heartbeat_misses", 1))
-    poll_interval: float = attrs.field(default=0.0002, validator=_positive("poll_interval", zero=True))
+    poll_interval: float = attrs.field(default=0.001, validator=_positive("poll_interval", zero=True))
     pending_ttl: float = attrs.field(default=300.0, validator=_positive("pending_ttl"))
     shared_key: bytes | None = attrs.field(default=None, converter=_key, validator=_key_length, repr=False)
     max_sessions: int = attrs.field(default=256, validator=_count("max_sessions", 1))
@@ -133,6 +136,9 @@ class RemoteConfig:
     max_pending: int = attrs.field(default=65536, validator=_count("max_pending", 1))
     max_pending_per_session: int = attrs.field(default=4096, validator=_count("max_pending_per_session", 1))
     max_pending_pages: int = attrs.field(default=1 << 20, validator=_count("max_pending_pages", 1))
+    max_writes_in_flight: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_count("max_writes_in_flight", 1))
+    )
 
     @property
     def peer_window(self) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .base import BackendError, MemoryRegion
 
-__all__ = ["EngineAdapter", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
+__all__ = ["EngineAdapter", "EngineBusy", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
 
 #: One write: (source address, destination address, length in bytes).
 Write = tuple[int, int, int]
@@ -77,17 +77,34 @@ class EngineJob(abc.ABC):
 
 
 class PartialSubmit(BackendError):
-    """Submitting failed after some writes went out; `job` holds those, to be waited for."""
+    """Submitting failed after `submitted` writes went out; `job` holds those, to be waited for."""
 
-    def __init__(self, job: EngineJob, message: str) -> None:
+    def __init__(self, job: EngineJob, message: str, submitted: int = 0) -> None:
         super().__init__(message)
         self.job = job
+        self.submitted = submitted
+
+
+class EngineBusy(BackendError):
+    """The engine cannot take these writes now (its queue is full): try again later, do not fail.
+
+    When some writes went out first, `job` holds them and `submitted`
+    counts them; the rest are handed back.
+    """
+
+    def __init__(self, message: str, job: EngineJob | None = None, submitted: int = 0) -> None:
+        super().__init__(message)
+        self.job = job
+        self.submitted = submitted
 
 
 class EngineAdapter(abc.ABC):
     """The engine-specific part of a cross-process backend."""
 
     name: str = "?"
+    #: Writes into one peer this engine takes in flight without refusing any (the writer's
+    #: default per-session budget; `RemoteConfig.max_writes_in_flight` overrides it).
+    max_writes_in_flight: int = 1024
     #: True when writes into this (receiving) endpoint only progress while it polls its
     #: engine (NIXL without its progress thread): the decode then calls `progress()` often
     #: while a prefill may be writing into it.

@@ -9,6 +9,22 @@ has a write in flight is known in one place, and a claim stays active (and
 its record alive) until the engine ended every write it issued, whether or
 not the prefill closed the room meanwhile (rule 13).
 
+Back-pressure: every session (one decode peer) has a budget of writes in
+flight (`RemoteConfig.max_writes_in_flight`, by default the engine's own
+safe figure: half of Mooncake's per-peer TCP queue, which fails the
+overflow instead of queueing it). A chunk's writes wait in the claim until
+the budget has room, and each turn hands the room round: every claim with
+writes waiting gets one slice of at most `_SLICE` writes, the claim that
+went first last turn going last, so one large room cannot starve the
+others. An engine that answers "busy" (`EngineBusy`) gets the slice back
+and a growing pause; only a real engine error fails the room. A stopped
+claim's waiting writes are dropped at once; the ones submitted are still
+waited for (the release gate).
+
+When nothing moved, the writer naps: not at all for a few turns after
+something did (a write just submitted usually ends within tens of
+microseconds), then from 20 us doubling up to `RemoteConfig.poll_interval`.
+
 Rule 14, in the order the code keeps it:
 
 * a failed write marks its claim stopped at once, in this thread, before
@@ -36,7 +52,7 @@ from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
 from ._remote_endpoint import RemoteEndpoint, SeenClaims, step
-from ._remote_engine import EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
+from ._remote_engine import EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
 
 if TYPE_CHECKING:
     from ._sessions import Session
@@ -46,19 +62,42 @@ __all__ = ["Chunk", "Claim", "WriterThread"]
 logger = logging.getLogger("kvfsm.backends.remote")
 
 _C = wire.PrefillClaim
+#: Most writes one claim submits in one turn (its slice of the session's budget).
+_SLICE = 64
+#: Turns without a nap after something moved, then the first nap and its growth.
+_SPIN_TURNS = 3
+_FIRST_NAP = 0.00002
+#: An engine that stays busy this long for one claim's writes fails that room.
+_BUSY_GIVE_UP = 10.0
 
 
 class Chunk:
-    """One `send()` call: its source and destination pages, and the engine jobs writing them."""
+    """One `send()` call: its source and destination pages, its writes still to submit, its jobs in flight."""
 
-    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "submitted", "tail")
+    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "tail", "todo")
 
     def __init__(self, src: list[int], dst: list[int], last: bool, aux_src: int | None, nbytes: int) -> None:
         self.src, self.dst, self.last, self.aux_src, self.nbytes = src, dst, last, aux_src, nbytes
-        self.jobs: list[EngineJob] = []
-        self.submitted = False
+        self.jobs: list[Submitted] = []
+        # The chunk's engine writes, made at its first turn; those not submitted yet (None: not made yet).
+        self.todo: deque[Write] | None = None
         # The last chunk's aux slot, when the engine must write it (device memory), goes after every KV write.
-        self.tail: EngineJob | None = None
+        self.tail: Submitted | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Writes of this chunk wait for the session's budget."""
+        return self.todo is None or bool(self.todo)
+
+
+class Submitted:
+    """One engine job and the writes it carries (they count against their session's budget)."""
+
+    __slots__ = ("job", "writes")
+
+    def __init__(self, job: EngineJob, writes: int) -> None:
+        self.job = job
+        self.writes = writes
 
 
 class Claim:
@@ -66,6 +105,7 @@ class Claim:
 
     __slots__ = (
         "aux",
+        "busy_since",
         "chunks",
         "cursor",
         "gen",
@@ -73,6 +113,7 @@ class Claim:
         "jobs",
         "pages",
         "pgen",
+        "retry_at",
         "room",
         "room_closed",
         "session",
@@ -93,7 +134,10 @@ class Claim:
         self.wire: wire.PrefillClaim | None = None
         self.cursor = 0
         self.chunks: deque[Chunk] = deque()
-        self.jobs: list[EngineJob] = []
+        self.jobs: list[Submitted] = []
+        # While the engine answers busy: when it started, and when to try again.
+        self.busy_since: float | None = None
+        self.retry_at = 0.0
         # Set (once) when the claim must issue nothing more; read by the writer before every submit.
         self.stopped = False
         self.room_closed = False
@@ -128,6 +172,11 @@ class WriterThread(RemoteEndpoint):
     _worker: threading.Thread | None
     _active: dict[int, Claim]
     _seen: dict[str, SeenClaims]
+    # Turns of `_submit_round` so far (who goes first), the chunk of the slice being
+    # submitted (for writes a busy engine hands back), each session's budget of writes.
+    _turn: int
+    _slice_chunk: Chunk | None
+    _write_budget: int
 
     def _start_writer(self) -> None:
         self._worker = threading.Thread(target=self._work_loop, name=f"kvfsm-{self.name}-writer", daemon=True)
@@ -140,6 +189,7 @@ class WriterThread(RemoteEndpoint):
             self._worker = None
 
     def _work_loop(self) -> None:
+        idle_turns, nap = 0, 0.0
         while True:
             try:
                 # Nothing to poll: sleep until a command comes (it is taken up first, in order).
@@ -147,14 +197,19 @@ class WriterThread(RemoteEndpoint):
                 moved = self.pump(first)
                 if moved is None:
                     return
-                if self._active and not moved:
-                    time.sleep(self.config.poll_interval)
+                if moved or not self._active:
+                    idle_turns, nap = 0, 0.0
+                    continue
+                idle_turns += 1
+                if idle_turns > _SPIN_TURNS:
+                    nap = min(self.config.poll_interval, nap * 2 if nap else _FIRST_NAP)
+                time.sleep(nap)
             except Exception:
                 logger.exception("kvfsm %s writer thread: unexpected error; it goes on", self.name)
                 time.sleep(0.01)
 
     def pump(self, first: tuple[str, Any] | None = None) -> bool | None:
-        """One turn: take up queued commands, advance every active claim.
+        """One turn: take up queued commands, advance every active claim, submit what the budgets allow.
 
         Returns whether anything moved, or None once told to exit.
         """
@@ -170,13 +225,15 @@ class WriterThread(RemoteEndpoint):
                     break
             if command == "exit":
                 for claim in self._active.values():
-                    for job in claim.jobs:
-                        job.cancel()
+                    for submitted in claim.jobs:
+                        submitted.job.cancel()
                 return None
             moved = True
             self._command(command, payload)
-        for key, claim in list(self._active.items()):
+        for claim in list(self._active.values()):
             moved |= self._advance(claim)
+        moved |= self._submit_round()
+        for key, claim in list(self._active.items()):
             if not claim.chunks and not claim.jobs:
                 # Nothing to poll (a stopped claim was drained in _advance): a new chunk or stop brings it back.
                 del self._active[key]
@@ -190,25 +247,31 @@ class WriterThread(RemoteEndpoint):
                 self._active[id(claim)] = claim
         elif command == "stop":
             claim = payload
-            claim.chunks.clear()
+            claim.chunks.clear()  # writes not submitted yet are dropped here, never reach the engine
             still = []
-            for job in claim.jobs:
-                if job.cancel():
-                    job.release()
+            for submitted in claim.jobs:
+                if submitted.job.cancel():
+                    self._ended(claim, submitted)
+                    submitted.job.release()
                 else:
-                    still.append(job)
+                    still.append(submitted)
             claim.jobs = still
             self._active[id(claim)] = claim
 
+    def _ended(self, claim: Claim, submitted: Submitted) -> None:
+        claim.session.writes_in_flight -= submitted.writes
+
     def _poll_jobs(self, claim: Claim) -> str | None:
         """Poll the claim's jobs, keep those still running; the first failure's detail, if any."""
-        running: list[EngineJob] = []
+        running: list[Submitted] = []
         failure: str | None = None
-        for job in claim.jobs:
+        for submitted in claim.jobs:
+            job = submitted.job
             status = job.poll()
             if status == "pending":
-                running.append(job)
-            elif status == "timeout":
+                running.append(submitted)
+                continue
+            if status == "timeout":
                 # Mooncake's TIMEOUT is derived at read time and not sticky: the write
                 # goes on and may still complete. Count it; keep the job in flight so
                 # drain stays truthful; the lifecycle's transferring deadline decides.
@@ -216,18 +279,19 @@ class WriterThread(RemoteEndpoint):
                 self.remote_stats.engine_timeouts += 1
                 if self._timeout_fails():
                     failure = failure or f"{self.name} reported TIMEOUT for a write ({job.detail})"
-                running.append(job)
-            elif status == "failed":
+                running.append(submitted)
+                continue
+            if status == "failed":
                 self.remote_stats.engine_failures += 1
                 claim.undrained |= job.may_still_land
-                job.release()
                 failure = failure or f"{self.name} write failed ({job.detail})"
-            else:
-                job.release()
+            self._ended(claim, submitted)
+            job.release()
         claim.jobs = running
         return failure
 
     def _advance(self, claim: Claim) -> bool:
+        """Poll the claim's writes, stop or drain it, and complete its chunks in order (no submits here)."""
         before = len(claim.jobs)
         failure = self._poll_jobs(claim)
         moved = len(claim.jobs) != before
@@ -242,25 +306,10 @@ class WriterThread(RemoteEndpoint):
         handle = claim.handle
         if handle is None:
             return moved
-        peer = claim.session
-        assert self.pools is not None and peer.pools is not None
-        for chunk in claim.chunks:
-            if chunk.submitted:
-                continue
-            if claim.stopped or handle.is_terminal:
-                return moved
-            chunk.submitted = True
-            writes = page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst))
-            if writes:
-                job = self._submit(claim, writes)
-                if job is None:
-                    return True
-                chunk.jobs.append(job)
-            moved = True
         while claim.chunks:
             chunk = claim.chunks[0]
-            chunk.jobs = [job for job in chunk.jobs if job in claim.jobs]
-            if chunk.jobs:
+            chunk.jobs = [submitted for submitted in chunk.jobs if submitted in claim.jobs]
+            if chunk.waiting or chunk.jobs:
                 break
             if not chunk.last:
                 claim.chunks.popleft()
@@ -272,10 +321,67 @@ class WriterThread(RemoteEndpoint):
                 moved = True
                 continue
             if not self._finish(claim, chunk):
-                return True
+                return moved
             claim.chunks.popleft()
             moved = True
         return moved
+
+    def _submit_round(self) -> bool:
+        """Hand each session's free budget round its claims, one slice each, fairly (see the module docstring)."""
+        by_session: dict[str, list[Claim]] = {}
+        for claim in self._active.values():
+            if not claim.stopped and claim.handle is not None and any(c.waiting for c in claim.chunks):
+                by_session.setdefault(claim.session.sid, []).append(claim)
+        if not by_session:
+            return False
+        self._turn += 1
+        now = time.monotonic()
+        moved = False
+        for claims in by_session.values():
+            session = claims[0].session
+            budget = self._write_budget - session.writes_in_flight
+            start = self._turn % len(claims)
+            for claim in claims[start:] + claims[:start]:
+                if budget <= 0:
+                    break
+                if claim.retry_at > now:
+                    continue
+                sent = self._submit_slice(claim, min(budget, _SLICE))
+                budget -= sent
+                moved |= sent > 0
+        return moved
+
+    def _submit_slice(self, claim: Claim, most: int) -> int:
+        """Submit up to `most` waiting writes of the claim's first chunks; how many went out."""
+        handle = claim.handle
+        assert handle is not None and self.pools is not None
+        peer = claim.session
+        assert peer.pools is not None
+        for chunk in claim.chunks:
+            if not chunk.waiting:
+                continue
+            if claim.stopped or handle.is_terminal:
+                return 0  # rule 14: nothing more for a room that ended, whatever the notices say
+            if chunk.todo is None:
+                chunk.todo = deque(page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst)))
+                if not chunk.todo:
+                    continue
+            writes = [chunk.todo.popleft() for _ in range(min(most, len(chunk.todo)))]
+            self._slice_chunk = chunk
+            submitted = self._submit(claim, writes)
+            if submitted is None:
+                if claim.busy_since is not None and not claim.stopped:
+                    chunk.todo.extendleft(reversed(writes))  # the engine was busy: these go again
+                return 0
+            chunk.jobs.append(submitted)
+            return submitted.writes
+        return 0
+
+    def _requeue(self, claim: Claim, writes: list[Write]) -> None:
+        """Put writes a busy engine did not take back in front of the chunk they came from."""
+        chunk = self._slice_chunk
+        if chunk is not None and chunk.todo is not None and not claim.stopped:
+            chunk.todo.extendleft(reversed(writes))
 
     def _finish(self, claim: Claim, chunk: Chunk) -> bool:
         """Complete the last chunk once every write landed; False while its aux write is still out."""
@@ -293,6 +399,8 @@ class WriterThread(RemoteEndpoint):
                     assert peer.pools is not None
                     if claim.stopped or handle.is_terminal:
                         return True
+                    if peer.writes_in_flight >= self._write_budget or claim.retry_at > time.monotonic():
+                        return False
                     writes = page_writes(self.pools.aux, peer.pools.aux, [(chunk.aux_src, claim.aux, 1)])
                     tail = self._submit(claim, writes)
                     if tail is None:
@@ -324,21 +432,52 @@ class WriterThread(RemoteEndpoint):
             return False
         return all(r.device == "cpu" for r in (*self.pools.aux, *claim.session.pools.aux))
 
-    def _submit(self, claim: Claim, writes: list[Write]) -> EngineJob | None:
+    def _submit(self, claim: Claim, writes: list[Write]) -> Submitted | None:
+        """Submit `writes` as one job, counted against the session's budget; None if it did not go out.
+
+        A busy engine (`EngineBusy`) leaves the claim to try again after a
+        growing pause, and fails it only after `_BUSY_GIVE_UP` seconds; any
+        other error fails the room at once (rule 14: nothing more of it goes out).
+        """
         peer = claim.session
         try:
             job = self.engine.submit(peer.target, writes)
+        except EngineBusy as exc:
+            now = time.monotonic()
+            self.remote_stats.engine_busy += 1
+            if exc.job is not None:
+                # Part went out before the engine said busy: wait for it; the rest goes again.
+                partial = Submitted(exc.job, exc.submitted)
+                peer.writes_in_flight += partial.writes
+                claim.jobs.append(partial)
+                self._requeue(claim, writes[exc.submitted :])
+                claim.retry_at = now + 0.001
+                return partial
+            if claim.busy_since is None:
+                claim.busy_since = now
+            waited = now - claim.busy_since
+            if waited <= _BUSY_GIVE_UP:
+                claim.retry_at = now + min(0.1, 0.001 * 2 ** min(10, int(waited * 20)))
+                return None
+            claim.busy_since = None
+            self._write_failed(claim, f"{self.name} stayed busy for {waited:.1f}s: {exc}")
+            return None
         except Exception as exc:
             if isinstance(exc, PartialSubmit):
-                claim.jobs.append(exc.job)
+                partial = Submitted(exc.job, exc.submitted)
+                peer.writes_in_flight += partial.writes
+                claim.jobs.append(partial)
             logger.warning("kvfsm %s: submitting %d writes failed: %s", self.name, len(writes), exc)
             self.remote_stats.engine_failures += 1
             self._write_failed(claim, f"{self.name} submit failed: {exc}")
             return None
+        claim.busy_since = None
         self.remote_stats.jobs_submitted += 1
         self.remote_stats.writes_submitted += len(writes)
-        claim.jobs.append(job)
-        return job
+        submitted = Submitted(job, len(writes))
+        peer.writes_in_flight += submitted.writes
+        claim.jobs.append(submitted)
+        return submitted
 
     def _write_failed(self, claim: Claim, message: str) -> None:
         """A write of `claim` failed: stop it here and now, tell the decode, then fail its room (rule 14)."""

@@ -58,6 +58,7 @@ class Session:
         "sid",
         "state",
         "target",
+        "writes_in_flight",
     )
 
     def __init__(self, sid: str, key: str, addr: str, now: float, state: SessionState) -> None:
@@ -76,6 +77,8 @@ class Session:
         self.hello: tuple[dict[str, Any], bytes | None] | None = None
         self.refused: str | None = None
         self.bye = False
+        # Engine writes into this peer not ended yet (the prefill's back-pressure budget).
+        self.writes_in_flight = 0
         # The room records of this session (keyed as each half likes).
         self.records: dict[Any, Any] = {}
 

@@ -33,20 +33,37 @@ Mooncake has no cancel: an aborted room's in-flight writes are waited for.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._manager import TransferManager
 from .base import BackendError, MemoryRegion
-from .remote import EngineAdapter, EngineJob, PartialSubmit, RemoteBackend, RemoteConfig, Write
+from .remote import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, RemoteBackend, RemoteConfig, Write
 
 __all__ = ["MooncakeBackend", "MooncakeEngine"]
 
 logger = logging.getLogger("kvfsm.backends.mooncake")
 
-# transfer_submit_write returns batch_id_t (uint64); its -1 arrives as this.
-_INVALID_BATCH = {-1, (1 << 64) - 1, 0}
+# transfer_submit_write returns batch_id_t (uint64): 0 when Mooncake refused the submit (its
+# queue is full: try later), -1 (2**64 - 1 as uint64) when the peer's segment cannot be opened.
+_REFUSED_BATCH = 0
+_BROKEN_BATCH = {-1, (1 << 64) - 1}
+# Mooncake's per-peer TCP queue (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, 1024 by default) fails
+# what overflows it, and measured here even left writes never resolving: stay at half of it.
+_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+_DEFAULT_QUEUE = 1024
+
+
+def _per_peer_budget() -> int:
+    try:
+        queue = int(os.environ.get(_QUEUE_ENV, _DEFAULT_QUEUE))
+    except ValueError:
+        queue = _DEFAULT_QUEUE
+    return max(1, queue // 2)
+
+
 _STATUS = {1: "done", 0: "pending", -1: "failed", -2: "timeout"}
 
 
@@ -142,6 +159,7 @@ class MooncakeEngine(EngineAdapter):
             )
         self.hostname = hostname
         self.mode = mode
+        self.max_writes_in_flight = _per_peer_budget()
         self.rpc_session = f"{hostname}:{self.te.get_rpc_port()}"
         self._registered: list[int] = []
         self._pool = ThreadPoolExecutor(batch_threads, thread_name_prefix="kvfsm-mooncake") if mode == "batch" else None
@@ -175,12 +193,14 @@ class MooncakeEngine(EngineAdapter):
         batches: list[int] = []
         for src, dst, length in writes:
             batch = self.te.transfer_submit_write(target, src, dst, length)
-            if batch in _INVALID_BATCH:
-                if batches:
-                    # Earlier runs of this job are in flight: hand them back so they are waited for.
+            if batch == _REFUSED_BATCH or batch in _BROKEN_BATCH:
+                # Earlier runs of this job are in flight: hand them back so they are waited for.
+                done = _PollJob(self, batches, detail) if batches else None
+                if batch == _REFUSED_BATCH:
+                    raise EngineBusy(f"Mooncake refused a write to {target} (queue full)", done, len(batches))
+                if done is not None:
                     raise PartialSubmit(
-                        _PollJob(self, batches, detail),
-                        f"transfer_submit_write to {target} failed after {len(batches)} runs",
+                        done, f"transfer_submit_write to {target} failed after {len(batches)} runs", len(batches)
                     )
                 raise BackendError(f"Mooncake transfer_submit_write to {target} failed (returned {batch})")
             batches.append(batch)

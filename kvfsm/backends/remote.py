@@ -47,7 +47,7 @@ from .._manager import TransferHandle, TransferManager
 from .._states import Role
 from . import wire
 from ._remote_endpoint import Fire, RemoteConfig, RemoteStats, Transport
-from ._remote_engine import EngineAdapter, EngineJob, PartialSubmit, Write, coalesce_runs
+from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs
 from ._remote_receiver import ReceiverSide
 from ._remote_sender import SenderSide
 from ._sessions import Session, SessionState, SessionTable
@@ -58,6 +58,7 @@ __all__ = [
     "RemoteStats",
     "RemoteBackend",
     "EngineAdapter",
+    "EngineBusy",
     "EngineJob",
     "PartialSubmit",
     "Write",
