@@ -269,6 +269,23 @@ def print_summary(summary: dict[str, Any], out: TextIO) -> None:
         mark = "ok" if value == 0 else "FAIL"
         out.write(f"  {key.replace('_', ' '):<{width}}  {value:<6} {mark}\n")
     out.write(f"\n{'all checks passed' if summary['ok'] else 'VERIFICATION FAILED'}\n")
+    note = failure_note(summary)
+    if note:
+        out.write(f"{note}\n")
+
+
+def failure_note(summary: dict[str, Any]) -> str | None:
+    """A warning when most rooms did not succeed: the checks say the run was consistent, not that it worked."""
+    requests = summary["requests"]
+    succeeded = summary["final_states"]["receiver"].get("Success", 0)
+    if not requests or succeeded * 2 >= requests:
+        return None
+    kinds = summary["failure_kinds"]["receiver"]
+    top = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items(), key=lambda item: -item[1])[:3])
+    return (
+        f"note: only {succeeded} of {requests} rooms succeeded ({top or 'no reason recorded'}); "
+        "the checks above are about consistency (no wrong byte, nothing released early), not success"
+    )
 
 
 def interrupted_line(summary: dict[str, Any], planned: int) -> str:

@@ -13,10 +13,12 @@ Back-pressure: every session (one decode peer) has a budget of writes in
 flight (`RemoteConfig.max_writes_in_flight`, by default the engine's own
 safe figure: half of Mooncake's per-peer TCP queue, which fails the
 overflow instead of queueing it). A chunk's writes wait in the claim until
-the budget has room, and each turn hands the room round: every claim with
-writes waiting gets one slice of at most `_SLICE` writes, the claim that
-went first last turn going last, so one large room cannot starve the
-others. An engine that answers "busy" (`EngineBusy`) gets the slice back
+the budget has room. Each turn hands the room round the `_SERVED` oldest
+claims of the session that have writes waiting: one slice of at most
+`_SLICE` writes each, the claim that went first last turn going last. So
+one large room cannot starve the others (it is one of the claims served),
+and under a deep queue rooms finish roughly in the order they came instead
+of all together at the end (which would make every one of them late). An engine that answers "busy" (`EngineBusy`) gets the slice back
 and a growing pause; only a real engine error fails the room. A stopped
 claim's waiting writes are dropped at once; the ones submitted are still
 waited for (the release gate).
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -64,11 +67,16 @@ logger = logging.getLogger("kvfsm.backends.remote")
 _C = wire.PrefillClaim
 #: Most writes one claim submits in one turn (its slice of the session's budget).
 _SLICE = 64
+#: Claims of one session served at a time, oldest first (the rest wait their turn).
+_SERVED = 16
 #: Turns without a nap after something moved, then the first nap and its growth.
 _SPIN_TURNS = 3
 _FIRST_NAP = 0.00002
 #: An engine that stays busy this long for one claim's writes fails that room.
 _BUSY_GIVE_UP = 10.0
+
+
+_serials = itertools.count()
 
 
 class Chunk:
@@ -116,6 +124,7 @@ class Claim:
         "retry_at",
         "room",
         "room_closed",
+        "serial",
         "session",
         "stopped",
         "timeouts_seen",
@@ -138,6 +147,8 @@ class Claim:
         # While the engine answers busy: when it started, and when to try again.
         self.busy_since: float | None = None
         self.retry_at = 0.0
+        # Claims are served oldest first under back-pressure (see _submit_round).
+        self.serial = next(_serials)
         # Set (once) when the claim must issue nothing more; read by the writer before every submit.
         self.stopped = False
         self.room_closed = False
@@ -338,6 +349,8 @@ class WriterThread(RemoteEndpoint):
         now = time.monotonic()
         moved = False
         for claims in by_session.values():
+            if len(claims) > _SERVED:
+                claims = sorted(claims, key=lambda claim: claim.serial)[:_SERVED]
             session = claims[0].session
             budget = self._write_budget - session.writes_in_flight
             start = self._turn % len(claims)

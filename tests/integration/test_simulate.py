@@ -33,6 +33,16 @@ def test_a_sound_run_exits_zero_and_writes_json(tmp_path: Path, capsys: pytest.C
     assert summary["metrics"]["receiver"]["final_states"]["Success"] == finals["Success"]
 
 
+def test_a_run_where_most_rooms_fail_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 12: a run that moved almost nothing still printed only "all checks passed"."""
+    assert cli.main(["simulate", *SMALL, "--abort-rate", "0.9"]) == 0
+    printed = capsys.readouterr().out
+    assert "all checks passed" in printed
+    assert "rooms succeeded (aborted" in printed and "not success" in printed
+    assert cli.main(["simulate", *SMALL, "--abort-rate", "0"]) == 0
+    assert "rooms succeeded" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bug", ["corrupt-page", "leave-open"])
 def test_a_deliberately_broken_run_exits_non_zero(bug: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["simulate", *SMALL, "--abort-rate", "0", "--inject-bug", bug]) == 1
