@@ -84,29 +84,31 @@ class _PollJob(EngineJob):
     def __init__(self, engine: MooncakeEngine, batches: list[int], detail: str) -> None:
         self._engine = engine
         self._pending = batches
+        # Batches before this index ended (and were freed by Mooncake).
+        self._next = 0
         self._failed = False
-        self._timed_out = False
         self.detail = detail
 
     def poll(self) -> str:
-        still: list[int] = []
+        """Check the batches in submission order, up to the first one still running.
+
+        Runs of one job go out on the same lanes one after the other and
+        end in about that order, so the batches behind a running one are
+        checked on a later poll: a poll costs one engine call per batch
+        that ended, not one per batch in flight.
+        """
+        pending = self._pending
         te = self._engine.te
-        for batch in self._pending:
+        while self._next < len(pending):
             # 1 and -1 free the batch inside Mooncake: never read it again.
-            status = _STATUS.get(te.transfer_check_status(batch), "failed")
+            status = _STATUS.get(te.transfer_check_status(pending[self._next]), "failed")
+            if status == "pending":
+                return "pending"
+            if status == "timeout":
+                return "timeout"  # it goes on and may still complete: ask again later
             if status == "failed":
                 self._failed = True
-            elif status == "pending":
-                still.append(batch)
-            elif status == "timeout":
-                self._timed_out = True
-                still.append(batch)
-        self._pending = still
-        if still:
-            if self._timed_out:
-                self._timed_out = False
-                return "timeout"
-            return "pending"
+            self._next += 1
         return "failed" if self._failed else "done"
 
 
