@@ -47,6 +47,8 @@ class FastPathHost(Protocol):
     _lock: threading.Lock
     _clock: Callable[[], float]
     _observers: tuple[Any, ...]
+    # One per event name, written by the manager's `_watch`; read by the generated methods.
+    _watching: dict[str, bool]
 
     def _log_failure(self, handle: Any, reason: FailureReason, /) -> None: ...
 
@@ -149,7 +151,7 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
         "    acquire()",
         "    try:",
         "        now = clock()",
-        "        if now < deadlines.next_due and not manager._observers:",
+        f"        if now < deadlines.next_due and not manager._watch_{event}:",
         "            state = room.state",
     ]
     keyword = "if"

@@ -73,6 +73,7 @@ from ._states import (
     Timeouts,
 )
 from ._status import ManagerStats, StatusTable
+from ._table import EVENTS
 
 __all__ = ["TransferManager", "TransferHandle"]
 
@@ -83,6 +84,8 @@ DEFAULT_TIMEOUTS = Timeouts()
 # (~60 ns on CPython 3.11), too slow for the paths every request takes.
 _SUCCESS, _FAILED, _BOOTSTRAPPING = KVPoll.Success, KVPoll.Failed, KVPoll.Bootstrapping
 _DRAIN_PENDING, _DRAINED, _DRAIN_DEADLINE = 0, 1, 2
+#: What an observer may ask for: every table event, and a room's open and close.
+_NOTICE_EVENTS: frozenset[str] = frozenset({*EVENTS, "open", "close"})
 _PHASE_NAMES = {
     KVPoll.Bootstrapping: "bootstrap",
     KVPoll.WaitingForInput: "waiting",
@@ -271,6 +274,11 @@ class TransferManager:
     come from any thread while another polls.
     """
 
+    # Whether anyone observes a room's open and close (set by `_watch`, with one `_watch_EVENT`
+    # per table event that the generated fast path reads).
+    _watch_open: bool
+    _watch_close: bool
+
     def __init__(
         self,
         role: Role | str,
@@ -313,7 +321,11 @@ class TransferManager:
         self._closed_older: dict[RoomId, tuple[int, KVPoll, float | None]] = {}
         self._remember_closed = remember_closed
         self._generation = 0
-        self._observers: tuple[Observer, ...] = ()
+        # Observers and the events each wants (None: every one), and per event whether
+        # anyone does: a step nobody observes builds no notice and keeps its fast path.
+        self._observers: tuple[tuple[Observer, frozenset[str] | None], ...] = ()
+        self._watching: dict[str, bool] = {}
+        self._watch()
         self._outbox: deque[StateChange] = deque()
         self._dispatching = threading.Lock()
         self._reaper: threading.Thread | None = None
@@ -417,7 +429,7 @@ class TransferManager:
         lock.acquire()
         try:
             now = self._clock()
-            if now < self._deadlines.next_due and not self._observers:
+            if now < self._deadlines.next_due and not self._watch_open:
                 rooms = self._rooms
                 if room not in rooms:
                     self._generation += 1
@@ -449,7 +461,7 @@ class TransferManager:
                 self._rooms[room] = handle
                 self._enter_initial(handle, now, None)
                 self._table.stats.opened += 1
-                if self._observers:
+                if self._watch_open:
                     notices.append(StateChange(self.role, room, handle.generation, "open", None, handle.state, now))
         finally:
             if expired or notices:
@@ -468,7 +480,7 @@ class TransferManager:
         if handle is None:
             raise self._unknown(room)
         state = handle.state
-        if (state is _SUCCESS or state is _FAILED) and not self._observers:
+        if (state is _SUCCESS or state is _FAILED) and not self._watch_close:
             # The common case, without a notice to build: see `_close`.
             lock = self._lock
             lock.acquire()
@@ -501,23 +513,45 @@ class TransferManager:
 
     # -- observers and the reaper ---------------------------------------------------
 
-    def subscribe(self, observer: Observer) -> Callable[[], None]:
-        """Call `observer(StateChange)` after every step; returns an unsubscribe function.
+    def subscribe(self, observer: Observer, events: Iterable[str] | None = None) -> Callable[[], None]:
+        """Call `observer(StateChange)` after every step (or only `events`); returns an unsubscribe function.
 
         Observers run after the manager's lock is released, in the order the
         steps happened (possibly on another emitting thread). An exception in
-        an observer is logged and does not reach the emitter.
+        an observer is logged and does not reach the emitter. `events` names
+        table events and "open" / "close"; a step no observer wants costs
+        nothing (a backend that only stops failed rooms watches
+        "fail", "timeout", "abort" and "close", and the common steps keep
+        their fast path).
         """
         if not callable(observer):
             raise TypeError(f"observer must be callable; got {observer!r}")
+        wanted: frozenset[str] | None = None
+        if events is not None:
+            wanted = frozenset(events)
+            unknown = sorted(wanted - _NOTICE_EVENTS)
+            if unknown:
+                raise ConfigError(
+                    f"subscribe(events=...) takes {', '.join(sorted(_NOTICE_EVENTS))}; got {', '.join(unknown)}"
+                )
+        entry = (observer, wanted)
         with self._lock:
-            self._observers = (*self._observers, observer)
+            self._observers = (*self._observers, entry)
+            self._watch()
 
         def unsubscribe() -> None:
             with self._lock:
-                self._observers = tuple(o for o in self._observers if o is not observer)
+                self._observers = tuple(o for o in self._observers if o is not entry)
+                self._watch()
 
         return unsubscribe
+
+    def _watch(self) -> None:
+        """Recompute which events anyone observes (lock held, or in the constructor)."""
+        for event in _NOTICE_EVENTS:
+            watched = any(events is None or event in events for _observer, events in self._observers)
+            self._watching[event] = watched
+            setattr(self, f"_watch_{event}", watched)
 
     def start_reaper(self, interval: float | None = None) -> None:
         """Start one daemon thread that calls `check_deadlines()` every `interval` s.
@@ -668,9 +702,9 @@ class TransferManager:
         nbytes: int = 0,
         last: bool = False,
     ) -> None:
-        """Run one step under the lock and queue its notice."""
+        """Run one step under the lock and queue its notice (if anyone watches the event)."""
         self._engine.fire(handle, step, now, reason)
-        if self._observers:
+        if self._watching[step.event]:
             notices.append(
                 StateChange(
                     self.role,
@@ -720,7 +754,9 @@ class TransferManager:
                         notice = self._outbox.popleft()
                     except IndexError:
                         break
-                    for observer in self._observers:
+                    for observer, events in self._observers:
+                        if events is not None and notice.event not in events:
+                            continue
                         try:
                             observer(notice)
                         except Exception:
@@ -802,7 +838,7 @@ class TransferManager:
                     closed[room] = (handle.generation, handle.state, handle.finished_at)
                     if len(closed) >= self._remember_closed:
                         self._closed_older, self._closed = closed, {}
-                if self._observers:
+                if self._watch_close:
                     notice = StateChange(self.role, room, handle.generation, "close", handle.state, None, self._clock())
                     self._outbox.append(notice)
         finally:

@@ -352,7 +352,8 @@ class KVBackend(abc.ABC):
         self._rooms_lock = threading.Lock()
         self._stopped: set[tuple[Hashable, int]] = set()
         self._closed = False
-        self._unsubscribe = manager.subscribe(self._observe)
+        # Only what stops or forgets a room: the manager's common steps keep their fast path.
+        self._unsubscribe = manager.subscribe(self._observe, events=("fail", "timeout", "abort", "close"))
 
     # -- what adapters implement ----------------------------------------------------------
 

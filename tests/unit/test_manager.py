@@ -551,3 +551,31 @@ def test_bad_manager_configuration(kwargs: dict[str, object], error: type[Except
 def test_subscribe_rejects_non_callables() -> None:
     with pytest.raises(TypeError, match="observer must be callable"):
         TransferManager("sender").subscribe(42)  # type: ignore[arg-type]
+
+
+def test_an_observer_may_watch_only_some_events() -> None:
+    """A backend watches failures and closes only; the other steps build no notice for it."""
+    manager = TransferManager("receiver")
+    seen: list[str] = []
+    everything: list[str] = []
+    manager.subscribe(lambda change: seen.append(change.event), events=("fail", "timeout", "abort", "close"))
+    handle = open_in(manager, 1, KVPoll.Transferring)
+    handle.chunk_done(8, last=True)
+    handle.transfer_done()
+    manager.close(1)
+    other = manager.open(2)
+    unsubscribe = manager.subscribe(lambda change: everything.append(change.event))
+    other.abort("gone")
+    unsubscribe()
+    manager.close(2)
+    assert seen == ["close", "abort", "close"]
+    assert everything == ["abort"]
+    with pytest.raises(kvfsm.ConfigError, match="subscribe\\(events=...\\) takes .*; got frob"):
+        manager.subscribe(lambda change: None, events=("frob",))
+
+
+def test_a_filtered_observer_leaves_the_fast_path_in_place() -> None:
+    manager = TransferManager("receiver")
+    manager.subscribe(lambda change: None, events=("abort", "close"))
+    assert manager._watch_open is False and manager._watch_bootstrapped is False  # type: ignore[attr-defined]
+    assert manager._watch_abort is True and manager._watch_close is True  # type: ignore[attr-defined]
