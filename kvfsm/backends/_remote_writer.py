@@ -243,7 +243,8 @@ class WriterThread(RemoteEndpoint):
             moved = True
             self._command(command, payload)
         for claim in list(self._active.values()):
-            moved |= self._advance(claim)
+            if claim.jobs or claim.stopped or (claim.chunks and not claim.chunks[0].waiting):
+                moved |= self._advance(claim)  # the others only wait for budget: nothing to poll
         moved |= self._submit_round()
         for key, claim in list(self._active.items()):
             if not claim.chunks and not claim.jobs:
