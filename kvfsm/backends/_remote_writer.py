@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
+from ._naps import precise_naps
 from ._remote_endpoint import RemoteEndpoint, SeenClaims, step
 from ._remote_engine import EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
 
@@ -201,6 +202,7 @@ class WriterThread(RemoteEndpoint):
             self._worker = None
 
     def _work_loop(self) -> None:
+        precise_naps()
         last_move, nap = time.monotonic(), 0.0
         while True:
             try:

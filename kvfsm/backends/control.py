@@ -34,6 +34,7 @@ import attrs
 import zmq
 
 from . import wire
+from ._naps import precise_naps
 
 __all__ = ["Channel", "ControlPlane", "ControlStats"]
 
@@ -230,6 +231,7 @@ class ControlPlane:
     # -- the thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        precise_naps()  # a sub-millisecond turn below naps with time.sleep
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
