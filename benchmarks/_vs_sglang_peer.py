@@ -158,6 +158,9 @@ class Endpoint(Protocol):
 
     def open(self, room: int, pages: list[int], slot: int) -> Transfer: ...
 
+    def poll_all(self, transfers: list[Any]) -> list[int]:
+        """The states of a turn's transfers, in order (each implementation's own way)."""
+
     def close(self) -> None: ...
 
 
@@ -192,6 +195,10 @@ class KvfsmEndpoint:
     def connect(self, prefill_address: str) -> None:
         self.peer = prefill_address  # both roles bootstrap with the prefill's address
 
+    def poll_all(self, transfers: list[Any]) -> list[int]:
+        # One batch read per turn (`poll_many`, see docs/guides/scheduler-loop.md).
+        return [int(state) for state in self.manager.poll_many([t.room for t in transfers])]
+
     def open(self, room: int, pages: list[int], slot: int) -> Transfer:
         handle = self.manager.open(room)
         self.backend.bootstrap(handle, self.peer)
@@ -205,6 +212,7 @@ class KvfsmEndpoint:
 class KvfsmTransfer:
     def __init__(self, endpoint: KvfsmEndpoint, handle: Any, pages: list[int], slot: int) -> None:
         self._endpoint, self._handle, self._pages, self._slot = endpoint, handle, pages, slot
+        self.room = handle.room
 
     def poll(self) -> int:
         return int(self._handle.poll())
@@ -306,6 +314,9 @@ class SglangEndpoint:
         if self.role == "prefill":
             return SglangPrefillTransfer(self, room, pages, slot)
         return SglangDecodeTransfer(self, room, pages, slot)
+
+    def poll_all(self, transfers: list[Any]) -> list[int]:
+        return [t.poll() for t in transfers]  # as SGLang's queues poll each sender/receiver
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -483,14 +494,15 @@ class SchedulerLoop:
     def _turn(self) -> bool:
         """Poll every request in flight once; whether any concluded."""
         concluded = []
+        polled = [request for request in self.active.values() if request.end is None]
+        states = self.endpoint.poll_all([request.transfer for request in polled]) if polled else []
+        for request, state in zip(polled, states, strict=True):
+            if state == WAITING_FOR_INPUT and not request.started:
+                request.started = True
+                request.transfer.start()
+            elif state in (SUCCESS, FAILED):
+                request.end, request.state = time.perf_counter(), state
         for request in self.active.values():
-            if request.end is None:
-                state = request.transfer.poll()
-                if state == WAITING_FOR_INPUT and not request.started:
-                    request.started = True
-                    request.transfer.start()
-                elif state in (SUCCESS, FAILED):
-                    request.end, request.state = time.perf_counter(), state
             if request.end is not None:
                 why = request.transfer.conclude(request.state)
                 if why is not None:

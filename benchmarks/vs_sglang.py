@@ -18,7 +18,9 @@ afresh for every case (``_vs_sglang_peer.py``, run by that implementation's
 interpreter). Both processes of both implementations run the same
 scheduler loop (``SchedulerLoop`` there), written after SGLang's
 disaggregation queues: up to N requests in flight; each loop turn polls
-every in-flight request; a request that reaches ``WaitingForInput`` gets its
+every in-flight request (kvfsm with one ``manager.poll_many(rooms)``, the
+batch read it has for a scheduler loop; SGLang with a ``poll()`` per sender
+or receiver, as its queues do); a request that reaches ``WaitingForInput`` gets its
 pages (decode: ``expect`` / ``send_metadata``; prefill: every chunk through
 ``send``, the aux slot with the last); a terminal request is concluded
 (SGLang: ``clear()``, or ``failure_exception()`` and, on the decode, its

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 import kvfsm
-from kvfsm.backends.base import KVPools, MemoryRegion
+from kvfsm.backends.base import BackendError, KVPools, MemoryRegion
 from kvfsm.backends.control import ControlStats
-from kvfsm.backends.remote import EngineAdapter, EngineJob, RemoteBackend, RemoteConfig, Write
+from kvfsm.backends.remote import EngineAdapter, EngineBusy, EngineJob, RemoteBackend, RemoteConfig, Write
 from tests.helpers import FakeClock
 
 PAGES = 8
@@ -112,10 +112,17 @@ class SimJob(EngineJob):
 
 
 class SimEngine(EngineAdapter):
+    """Jobs the test completes or fails; `refuse` submits answered busy, `broken` makes every submit fail."""
+
     name = "sim"
 
     def __init__(self) -> None:
         self.inflight: list[SimJob] = []
+        self.submitted: list[Write] = []
+        self.refuse = 0
+        self.broken: str | None = None
+        # Once: take only this many writes of the next submit, then answer busy (Mooncake's way).
+        self.take_part: int | None = None
 
     def register(self, regions: list[MemoryRegion]) -> None:
         return
@@ -127,6 +134,18 @@ class SimEngine(EngineAdapter):
         return "peer"
 
     def submit(self, target: Any, writes: list[Write]) -> EngineJob:
+        if self.broken is not None:
+            raise BackendError(self.broken)
+        if self.refuse:
+            self.refuse -= 1
+            raise EngineBusy("sim engine: queue full")
+        if self.take_part is not None and self.take_part < len(writes):
+            part, self.take_part = writes[: self.take_part], None
+            self.submitted.extend(part)
+            partial = SimJob(self, part)
+            self.inflight.append(partial)
+            raise EngineBusy("sim engine: queue full after part", partial, len(part))
+        self.submitted.extend(writes)
         job = SimJob(self, writes)
         self.inflight.append(job)
         return job

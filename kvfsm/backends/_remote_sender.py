@@ -168,6 +168,7 @@ class SenderSide(WriterThread):
         self._work = queue.SimpleQueue()
         self._worker = None
         self._active = {}
+        self._queued = {}
         self._turn = 0
         self._slice_chunk = None
         self._write_budget = config.max_writes_in_flight or self.engine.max_writes_in_flight

@@ -41,6 +41,7 @@ Rule 14, in the order the code keeps it:
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import itertools
@@ -79,6 +80,14 @@ _BUSY_GIVE_UP = 10.0
 
 
 _serials = itertools.count()
+
+
+def _by_serial(claim: Claim) -> int:
+    return claim.serial
+
+
+def _has_waiting(claim: Claim) -> bool:
+    return any(chunk.waiting for chunk in claim.chunks)
 
 
 class Chunk:
@@ -123,6 +132,7 @@ class Claim:
         "jobs",
         "pages",
         "pgen",
+        "queued",
         "retry_at",
         "room",
         "room_closed",
@@ -149,8 +159,10 @@ class Claim:
         # While the engine answers busy: when it started, and when to try again.
         self.busy_since: float | None = None
         self.retry_at = 0.0
-        # Claims are served oldest first under back-pressure (see _submit_round).
+        # Claims are served oldest first under back-pressure (see _submit_round);
+        # `queued` while the claim is in its session's queue of claims with writes waiting.
         self.serial = next(_serials)
+        self.queued = False
         # Set (once) when the claim must issue nothing more; read by the writer before every submit.
         self.stopped = False
         self.room_closed = False
@@ -183,7 +195,12 @@ class WriterThread(RemoteEndpoint):
 
     _work: queue.SimpleQueue[tuple[str, Any]]
     _worker: threading.Thread | None
+    # Claims polled every turn (writes in flight, stopped, or a chunk to complete), and per
+    # session (sid) the claims with writes waiting for budget, oldest first. A claim that
+    # only waits for budget is in the second alone, so a turn costs the same at 16 or 256
+    # claims in flight.
     _active: dict[int, Claim]
+    _queued: dict[str, list[Claim]]
     _seen: dict[str, SeenClaims]
     # Turns of `_submit_round` so far (who goes first), the chunk of the slice being
     # submitted (for writes a busy engine hands back), each session's budget of writes.
@@ -207,12 +224,12 @@ class WriterThread(RemoteEndpoint):
         while True:
             try:
                 # Nothing to poll: sleep until a command comes (it is taken up first, in order).
-                first = None if self._active else self._work.get()
+                first = None if self._has_work() else self._work.get()
                 moved = self.pump(first)
                 if moved is None:
                     return
                 now = time.monotonic()
-                if moved or not self._active:
+                if moved or not self._has_work():
                     last_move, nap = now, 0.0
                     continue
                 if now - last_move > _SPIN:
@@ -221,6 +238,10 @@ class WriterThread(RemoteEndpoint):
             except Exception:
                 logger.exception("kvfsm %s writer thread: unexpected error; it goes on", self.name)
                 time.sleep(0.01)
+
+    def _has_work(self) -> bool:
+        """Whether a claim has writes in flight, waiting or to complete (else the writer waits for a command)."""
+        return bool(self._active or self._queued)
 
     def pump(self, first: tuple[str, Any] | None = None) -> bool | None:
         """One turn: take up queued commands, advance every active claim, submit what the budgets allow.
@@ -245,12 +266,13 @@ class WriterThread(RemoteEndpoint):
             moved = True
             self._command(command, payload)
         for claim in list(self._active.values()):
-            if claim.jobs or claim.stopped or (claim.chunks and not claim.chunks[0].waiting):
-                moved |= self._advance(claim)  # the others only wait for budget: nothing to poll
+            moved |= self._advance(claim)
         moved |= self._submit_round()
         for key, claim in list(self._active.items()):
-            if not claim.chunks and not claim.jobs:
-                # Nothing to poll (a stopped claim was drained in _advance): a new chunk or stop brings it back.
+            if not claim.stopped and not claim.jobs and (not claim.chunks or claim.chunks[0].waiting):
+                # Nothing to poll (the rest waits in _queued): a submit, a new chunk or a stop
+                # brings it back. A stopped claim leaves once drained (_advance), even when its
+                # submit failed before anything went out: the decode waits for that ABORT_ACK.
                 del self._active[key]
         return moved
 
@@ -260,9 +282,15 @@ class WriterThread(RemoteEndpoint):
             if not claim.stopped:
                 claim.chunks.append(chunk)
                 self._active[id(claim)] = claim
+                if not claim.queued:
+                    claim.queued = True
+                    bisect.insort(self._queued.setdefault(claim.session.sid, []), claim, key=_by_serial)
         elif command == "stop":
             claim = payload
             claim.chunks.clear()  # writes not submitted yet are dropped here, never reach the engine
+            if claim.queued:
+                self._queued[claim.session.sid].remove(claim)
+                claim.queued = False
             still = []
             for submitted in claim.jobs:
                 if submitted.job.cancel():
@@ -316,6 +344,7 @@ class WriterThread(RemoteEndpoint):
         if claim.stopped:
             if not claim.jobs:
                 self._drained(claim)
+                self._active.pop(id(claim), None)
                 return True
             return moved
         handle = claim.handle
@@ -343,22 +372,20 @@ class WriterThread(RemoteEndpoint):
 
     def _submit_round(self) -> bool:
         """Hand each session's free budget round its claims, one slice each, fairly (see the module docstring)."""
-        by_session: dict[str, list[Claim]] = {}
-        for claim in self._active.values():
-            if not claim.stopped and claim.handle is not None and any(c.waiting for c in claim.chunks):
-                by_session.setdefault(claim.session.sid, []).append(claim)
-        if not by_session:
+        if not self._queued:
             return False
         self._turn += 1
         now = time.monotonic()
         moved = False
-        for claims in by_session.values():
-            if len(claims) > _SERVED:
-                claims = sorted(claims, key=lambda claim: claim.serial)[:_SERVED]
-            session = claims[0].session
-            budget = self._write_budget - session.writes_in_flight
-            start = self._turn % len(claims)
-            for claim in claims[start:] + claims[:start]:
+        for sid, queued in list(self._queued.items()):
+            served = self._oldest_waiting(queued)
+            if not queued:
+                del self._queued[sid]
+            if not served:
+                continue
+            budget = self._write_budget - served[0].session.writes_in_flight
+            start = self._turn % len(served)
+            for claim in served[start:] + served[:start]:
                 if budget <= 0:
                     break
                 if claim.retry_at > now:
@@ -366,7 +393,28 @@ class WriterThread(RemoteEndpoint):
                 sent = self._submit_slice(claim, min(budget, _SLICE))
                 budget -= sent
                 moved |= sent > 0
+                self._active[id(claim)] = claim  # it has writes to poll, or a chunk to complete
+                if not _has_waiting(claim):
+                    queued.remove(claim)
+                    claim.queued = False
+            if not queued:
+                self._queued.pop(sid, None)
         return moved
+
+    @staticmethod
+    def _oldest_waiting(queued: list[Claim]) -> list[Claim]:
+        """The `_SERVED` oldest claims of a session's queue that still wait; the others that stopped leave it."""
+        served: list[Claim] = []
+        index = 0
+        while index < len(queued) and len(served) < _SERVED:
+            claim = queued[index]
+            if claim.stopped or not _has_waiting(claim):
+                del queued[index]
+                claim.queued = False
+                continue
+            served.append(claim)
+            index += 1
+        return served
 
     def _submit_slice(self, claim: Claim, most: int) -> int:
         """Submit up to `most` waiting writes of the claim's first chunks; how many went out."""

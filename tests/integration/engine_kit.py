@@ -130,7 +130,7 @@ class Settling(RemoteBackend):
     def _command(self, command: str, payload: Any) -> None:
         if command == "sync":
             # Commands are handled in order: everything queued before this one has been taken up.
-            if not self._active:
+            if not self._has_work():
                 payload.set()
             return
         super()._command(command, payload)
