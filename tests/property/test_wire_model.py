@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
@@ -52,9 +53,11 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 import kvfsm
 from kvfsm import KVPoll
 from kvfsm.backends import _remote_sender, _remote_writer, wire
-from tests.wire_sim import AUX_SLOTS, PAGES, SimBackend, World
+from tests.wire_sim import AUX_SLOTS, CONFIG, PAGES, SimBackend, World
 
 ROOM_IDS = (1, 2, 3)
+#: Writes in flight to one decode (small, so the model reaches back-pressure with a few pages).
+BUDGET = 3
 
 
 class Request:
@@ -95,7 +98,7 @@ class Request:
 class WireModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.world = World()
+        self.world = World(attrs.evolve(CONFIG, max_writes_in_flight=BUDGET))
         for endpoint in self.world.endpoints:
             endpoint.defer_notices = True
         self.requests: list[Request] = []
@@ -473,6 +476,19 @@ class WireModel(RuleBasedStateMachine):
             if request.dst_aux is not None:
                 assert pools.aux[request.dst_aux].eq(request.id % 250 + 1).all(), (request, pools.aux)
             assert request.prefill.state is KVPoll.Success or request.prefill_closed, request
+
+    @invariant()
+    def writes_in_flight_stay_in_budget_and_are_counted_exactly(self) -> None:
+        """Each decode's budget holds, and its count is the writes its claims have out (a leak would starve it)."""
+        prefill = self.world.prefill
+        out: dict[str, int] = {}
+        for claim in prefill._active.values():
+            out[claim.session.sid] = out.get(claim.session.sid, 0) + sum(job.writes for job in claim.jobs)
+        for session in prefill.sessions:
+            assert session.writes_in_flight <= BUDGET, session
+            assert session.writes_in_flight == out.get(session.sid, 0), (session, out)
+        watched = {id(job.job) for claim in prefill._active.values() for job in claim.jobs}
+        assert all(id(job) in watched for job in prefill.sim_engine.inflight), "a write out with no claim polling it"
 
     @invariant()
     def no_failed_room_is_release_safe_under_a_write(self) -> None:
