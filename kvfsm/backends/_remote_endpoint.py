@@ -112,7 +112,8 @@ class RemoteConfig:
     writes are in flight and none moved (it naps 20 us first, doubling).
     `max_writes_in_flight` caps the engine writes in flight to one decode
     (None: the engine's own safe figure, e.g. half of Mooncake's per-peer
-    TCP queue); the rest wait, shared fairly between rooms. `pending_ttl` bounds how long the prefill keeps a decode's
+    TCP queue); the rest wait, shared fairly between rooms.
+    `pending_ttl` bounds how long the prefill keeps a decode's
     claim (or abort) that arrived before its own `bootstrap()`, and how long
     it holds a room id whose generation ended unclaimed. `shared_key`
     (16 bytes or more, the same on every endpoint) authenticates the
