@@ -177,7 +177,7 @@ class KvfsmEndpoint:
 
     def __init__(self, role: str, pools: Pools, settings: dict[str, Any]) -> None:
         import kvfsm
-        from kvfsm.backends import KVPools, MooncakeBackend
+        from kvfsm.backends import KVPools, MooncakeBackend, NixlBackend
         from kvfsm.backends.remote import RemoteConfig
 
         timeout = settings["room_timeout"]
@@ -185,7 +185,8 @@ class KvfsmEndpoint:
         self.role = role
         self.manager = kvfsm.TransferManager("sender" if role == "prefill" else "receiver", timeouts=timeouts)
         self.manager.start_reaper()  # as docs/guides/scheduler-loop.md asks of a server
-        self.backend = MooncakeBackend(self.manager, RemoteConfig(host="127.0.0.1"))
+        engine = NixlBackend if settings["impl"] == "kvfsm-nixl" else MooncakeBackend
+        self.backend = engine(self.manager, RemoteConfig(host="127.0.0.1"))
         self.backend.register_pools(KVPools.from_tensors(pools.k, pools.v, pools.aux))
         self.address = self.backend.address
         self.chunks = settings["chunks"]
@@ -421,6 +422,7 @@ class SglangDecodeTransfer:
 
 ENDPOINTS: dict[str, Callable[[str, Pools, dict[str, Any]], Endpoint]] = {
     "kvfsm": KvfsmEndpoint,
+    "kvfsm-nixl": KvfsmEndpoint,
     "sglang": SglangEndpoint,
 }
 
@@ -549,7 +551,10 @@ def _versions(impl: str) -> dict[str, str]:
     from importlib import metadata
 
     found = {}
-    names = ["torch", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"]
+    if impl == "kvfsm-nixl":
+        names = ["torch", "nixl"]
+    else:
+        names = ["torch", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"]
     names += ["sglang"] if impl == "sglang" else ["kvfsm"]
     for name in names:
         with contextlib.suppress(metadata.PackageNotFoundError):

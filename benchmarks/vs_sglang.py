@@ -116,8 +116,8 @@ REQUEST_PAGES = 64  # 4 MiB at 64 KiB pages
 PEER = Path(__file__).resolve().with_name("_vs_sglang_peer.py")  # what each child process runs
 SETUP_TIMEOUT = 300.0  # a child's imports and engine start (SGLang takes ~20 s on a busy machine)
 EXIT_GRACE = 15.0  # a child's own shutdown before it is terminated
-IMPLS = ("kvfsm", "sglang")
-IMPL_TITLES = {"kvfsm": "kvfsm over Mooncake", "sglang": "SGLang 0.5.23 Mooncake"}
+IMPLS = ("kvfsm", "kvfsm-nixl", "sglang")
+IMPL_TITLES = {"kvfsm": "kvfsm over Mooncake", "kvfsm-nixl": "kvfsm over NIXL", "sglang": "SGLang 0.5.23 Mooncake"}
 Key = tuple[str, str]  # (implementation, case name)
 
 
@@ -252,7 +252,7 @@ def _spawn_errors(name: str, python: str) -> Iterator[None]:
 def child_env(impl: str, settings: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO/WARNING lines, for both sides alike
-    if impl == "kvfsm":
+    if impl.startswith("kvfsm"):
         # The children import the same kvfsm as this process.
         import kvfsm
 
@@ -408,6 +408,14 @@ RATIO_GOALS = [
         False,
     ),
     ("kvfsm: throughput at 256 in flight / at 16", ("kvfsm", "256"), ("kvfsm", "16"), "gb_s", 0.9, True),
+    (
+        "kvfsm over NIXL: throughput at 256 in flight / at 16",
+        ("kvfsm-nixl", "256"),
+        ("kvfsm-nixl", "16"),
+        "gb_s",
+        0.9,
+        True,
+    ),
 ]
 
 
@@ -480,11 +488,13 @@ class Results:
 def evaluate_goals(results: Results) -> list[Goal]:
     """The goals this run measured. A ratio meets its goal only if every request behind both figures succeeded."""
     goals = []
-    for case in ("16", "64", "256"):
-        row = results.row(("kvfsm", case))
-        if row is not None:
-            text, shown = f"kvfsm: every request succeeds at {case} in flight", f"{row['ok']}/{row['requests']}"
-            goals.append(Goal(text, row["ok"] / row["requests"], 1.0, True, shown=shown))
+    for impl in ("kvfsm", "kvfsm-nixl"):
+        for case in ("16", "64", "256"):
+            row = results.row((impl, case))
+            if row is not None:
+                text = f"{IMPL_TITLES[impl]}: every request succeeds at {case} in flight"
+                shown = f"{row['ok']}/{row['requests']}"
+                goals.append(Goal(text, row["ok"] / row["requests"], 1.0, True, shown=shown))
     for text, figure, baseline, name, limit, higher in RATIO_GOALS:
         if figure in results and baseline in results:
             value, _ = results.ratio(figure, baseline, name)
@@ -516,7 +526,7 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
                 f"{row['requests_s']:>7.1f} {_ms(row['cpu_s_per_request']):>12}{flag}"
                 + (f"  BAD BYTES in {row['bad']}" if row["bad"] else "")
             )
-    if len(impls) == 2:
+    if "kvfsm" in impls and "sglang" in impls:
         lines += ["", "kvfsm / SGLang, same run (latency and CPU: lower is better; throughput: higher):"]
         lines.append(f"{'case':<30} {'latency p50':>18} {'throughput':>18} {'CPU/request':>18}")
         for case in cases:
@@ -564,6 +574,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--cases",
         default="lat,4,16,64,256",
         help="comma-separated: 'lat' (one page, one at a time) and numbers of requests in flight (default %(default)s)",
+    )
+    parser.add_argument(
+        "--nixl", action="store_true", help="also run kvfsm over NIXL (same loop and checks; no SGLang counterpart)"
     )
     parser.add_argument("--sglang-max-inflight", type=int, default=64, help="SGLang skips larger cases (default 64)")
     parser.add_argument("--quick", action="store_true", help="a smaller run: lat,4,16 with fewer requests")
@@ -635,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cases = plan_cases(args)
     pythons = {"kvfsm": sys.executable}
+    if args.nixl:
+        pythons["kvfsm-nixl"] = sys.executable
     if args.sglang_python:
         pythons["sglang"] = args.sglang_python
     results = Results()
@@ -643,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _signals_end_children(), tempfile.TemporaryDirectory(prefix="kvfsm-vs-sglang-") as logs:
         for round_ in range(args.repeat):
             for n, case in enumerate(cases):
-                impls = [i for i in pythons if i == "kvfsm" or case.inflight <= args.sglang_max_inflight]
+                impls = [i for i in pythons if i != "sglang" or case.inflight <= args.sglang_max_inflight]
                 for impl in impls if (n + round_) % 2 == 0 else impls[::-1]:  # alternate who goes first
                     where = f"round {round_ + 1}/{args.repeat}, " if args.repeat > 1 else ""
                     _progress(
