@@ -282,6 +282,10 @@ class RemoteEndpoint(KVBackend):
     sessions: SessionTable
     _lock: threading.Lock
     _next_heartbeat: float
+    #: Whether the frames this endpoint sends are checked field by field before they go out.
+    #: Off in production (they are built from values checked when they came in); the test
+    #: suite turns it on (tests/conftest.py), so a sender bug fails there, not at a peer.
+    check_frames: bool = False
 
     @abc.abstractmethod
     def _make_engine(self) -> EngineAdapter:
@@ -316,7 +320,7 @@ class RemoteEndpoint(KVBackend):
         """Send one authenticated frame of `session` (lock held or not: the transport does not call back)."""
         if session.channel is None or session.state is SessionState.CLOSED:
             return False
-        frames = wire.encode(kind, {**session.auth, **fields}, blob)
+        frames = wire.encode(kind, {**session.auth, **fields}, blob, check=self.check_frames)
         return bool(self.transport.send(session.channel, frames))
 
     def _emit(self, session: Session | None, row: wire.WireRow, build: Callable[[str], dict[str, Any]]) -> None:

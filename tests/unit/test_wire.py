@@ -96,6 +96,17 @@ def test_encoding_refuses_what_would_not_validate() -> None:
         wire.encode("HEARTBEAT", AUTH, b"x")
 
 
+def test_unchecked_encoding_is_the_same_bytes_and_keeps_the_bounds() -> None:
+    fields = {**AUTH, "room": 1, "gen": 2, "pgen": 0, "nbytes": 4096}
+    checked, unchecked = wire.encode("CHUNK", fields), wire.encode("CHUNK", fields, check=False)
+    assert wire.decode(unchecked) == wire.decode(checked)
+    with pytest.raises(wire.MalformedFrame, match="carries no blob"):
+        wire.encode("HEARTBEAT", AUTH, b"x", check=False)
+    with pytest.raises(wire.MalformedFrame, match="at most") as info:
+        wire.encode("DONE", {**fields, "nbytes": 1}, b"x" * (wire.MAX_BLOB_BYTES + 1), check=False)
+    assert info.value.category == "oversized"
+
+
 @given(st.lists(st.binary(max_size=64), max_size=5))
 def test_random_bytes_are_only_ever_counted_drops(frames: list[bytes]) -> None:
     category = None
