@@ -548,7 +548,7 @@ def encode(kind: str, fields: Mapping[str, Any], blob: bytes | None = None, *, c
             raise MalformedFrame("malformed", f"{kind} has no field {sorted(extra)[0]!r}")
     else:
         header.update(fields)
-    data = json.dumps(header, separators=(",", ":")).encode()
+    data = _JSON_OUT.encode(header).encode()
     if len(data) > MAX_HEADER_BYTES:
         raise MalformedFrame("oversized", f"{kind} header is {len(data)} bytes; at most {MAX_HEADER_BYTES}")
     frames = [MAGIC, data]
@@ -560,6 +560,11 @@ def encode(kind: str, fields: Mapping[str, Any], blob: bytes | None = None, *, c
         frames.append(bytes(blob))
     return frames
 
+
+# Built once: json.dumps with separators builds an encoder per call, json.loads on bytes
+# guesses the encoding each time (the protocol's is UTF-8).
+_JSON_OUT = json.JSONEncoder(separators=(",", ":"))
+_JSON_IN = json.JSONDecoder()
 
 # Everything json.loads may raise on hostile bytes: bad JSON or UTF-8 (ValueError and its
 # subclasses, including "exceeds the limit for integer string conversion"), too deep a nesting
@@ -581,7 +586,7 @@ def decode(frames: Sequence[bytes]) -> Frame:
     if len(frames) == 3 and len(frames[2]) > MAX_BLOB_BYTES:
         raise MalformedFrame("oversized", f"blob frame of {len(frames[2])} bytes; at most {MAX_BLOB_BYTES}")
     try:
-        header = json.loads(bytes(frames[1]))
+        header = _JSON_IN.decode(str(frames[1], "utf-8"))
     except _DECODE_ERRORS as exc:
         raise MalformedFrame("malformed", f"header frame is not JSON this protocol reads: {exc!s:.120}") from None
     if header.__class__ is not dict:
