@@ -109,7 +109,7 @@ def test_rounds_join_into_medians_and_same_round_ratios() -> None:
     value, rounds = results.ratio(("kvfsm", "16"), ("sglang", "16"), "gb_s")
     assert rounds == pytest.approx([2.0, 2.0]) and value == pytest.approx(2.0)
     goals = {goal.text: goal for goal in bench.evaluate_goals(results)}
-    every = goals["kvfsm: every request succeeds at 16 in flight"]
+    every = goals["kvfsm over Mooncake: every request succeeds at 16 in flight"]
     assert not every.met and "3/4" in every.line()
     throughput = goals["throughput at 16 in flight, kvfsm / SGLang"]
     assert throughput.value == pytest.approx(2.0) and not throughput.met  # above 1.5x, but a request failed
@@ -138,6 +138,20 @@ def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -
     assert not any(_alive(p) for p in pids), "the benchmark returned with its children alive"
 
 
+def test_nixl_runs_in_the_same_loop_with_its_own_rows_and_goals(tmp_path: Path) -> None:
+    pytest.importorskip("nixl", reason="NIXL is needed for --nixl (pip install --no-deps nixl nixl-cu12)")
+    done, data = _bench(tmp_path, "--nixl", "--cases", "16", *SMALL, "--requests", "20")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["impl"]: row for row in data["results"]}
+    assert set(rows) == {"kvfsm", "kvfsm-nixl"}
+    nixl = rows["kvfsm-nixl"]
+    assert (nixl["ok"], nixl["requests"], nixl["bad"]) == (20, 20, 0), nixl
+    assert "nixl" in nixl["versions"] and "mooncake-transfer-engine-non-cuda" not in nixl["versions"]
+    goals = {goal["text"]: goal for goal in data["goals"]}
+    assert goals["kvfsm over NIXL: every request succeeds at 16 in flight"]["met"]
+    assert "kvfsm over NIXL" in done.stdout
+
+
 def test_failed_and_unstarted_requests_are_counted_with_their_reasons(tmp_path: Path) -> None:
     # Phase deadlines of 1 ms fail nearly every request; a case deadline of 1 s
     # leaves most of 2,000 requests unstarted. Neither may crash the benchmark.
@@ -153,8 +167,8 @@ def test_failed_and_unstarted_requests_are_counted_with_their_reasons(tmp_path: 
     assert f"{row['ok']:>5}/2000" in done.stdout and " *" in done.stdout
     assert "failed requests, by reason" in done.stdout
     (goal,) = data["goals"]
-    assert goal["text"] == "kvfsm: every request succeeds at 16 in flight" and not goal["met"]
-    assert "MISSED kvfsm: every request succeeds at 16 in flight" in done.stdout
+    assert goal["text"] == "kvfsm over Mooncake: every request succeeds at 16 in flight" and not goal["met"]
+    assert "MISSED kvfsm over Mooncake: every request succeeds at 16 in flight" in done.stdout
     assert not any(_alive(p) for p in row["pids"])
 
 

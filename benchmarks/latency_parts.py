@@ -1,0 +1,293 @@
+"""The parts a one-page cross-process request is made of, each measured alone.
+
+`benchmarks/vs_sglang.py` measures whole requests; this script measures the
+pieces their latency cannot go below on this machine, so that a latency
+figure can be read against its floor (docs/performance.md, "Why one-page
+latency stays near SGLang's"):
+
+* round trips between two processes: raw TCP, ZeroMQ PUSH/PULL (what the
+  control plane rides on, as SGLang's does) and kvfsm's `ControlPlane`
+  (the receiving test thread waits on an event, one hand-off more);
+* one page's engine writes: Mooncake, one 64 KiB write and the same bytes
+  as four 16 KiB writes (K and V of two layers), from the first submit to
+  the last completion, two engines in one process;
+* naps: `time.sleep(20e-6)` with the default timer slack and with 1 us
+  (`kvfsm.backends._naps.precise_naps`, what the writer and control
+  threads set);
+* hot and cold code: encoding a ROOM frame in a tight loop and after a 1 ms
+  sleep each time.
+
+Run from the project root: ``PYTHONPATH=. python benchmarks/latency_parts.py``
+(``--only tcp,zmq,control,mooncake,naps,codec``; ``--count N`` round trips
+or writes per figure, default 2000). Medians, in microseconds. Mooncake's
+part is skipped, with a line saying why, where Mooncake is not installed.
+Every process it starts ends with it, and it talks only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PARTS = ("tcp", "zmq", "control", "mooncake", "naps", "codec")
+PAGE = 64 * 1024
+
+
+def _median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    return _median_us(samples)
+
+
+# -- round trips -------------------------------------------------------------------
+
+
+def _tcp_echo(listener: socket.socket, count: int) -> None:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        for _ in range(count):
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(data)
+
+
+def tcp_round_trip(count: int) -> float:
+    listener = socket.create_server(("127.0.0.1", 0))
+    echo = multiprocessing.Process(target=_tcp_echo, args=(listener, count + 20), daemon=True)
+    echo.start()
+    with socket.create_connection(listener.getsockname()) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def step() -> None:
+            conn.sendall(b"x" * 100)
+            conn.recv(65536)
+
+        result = _timed(count, step)
+    echo.join(10)
+    listener.close()
+    return result
+
+
+def _zmq_echo(port_in: int, address_out: str, count: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(f"tcp://127.0.0.1:{port_in}")
+    push.connect(address_out)
+    for _ in range(count):
+        if not pull.poll(10_000):
+            break
+        push.send_multipart(pull.recv_multipart())
+    ctx.destroy(linger=0)
+
+
+def zmq_round_trip(count: int) -> float:
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    with socket.socket() as probe:  # a free port for the echo's PULL
+        probe.bind(("127.0.0.1", 0))
+        echo_port = probe.getsockname()[1]
+    echo = multiprocessing.Process(
+        target=_zmq_echo, args=(echo_port, f"tcp://127.0.0.1:{port}", count + 20), daemon=True
+    )
+    echo.start()
+    push.connect(f"tcp://127.0.0.1:{echo_port}")
+
+    def step() -> None:
+        push.send_multipart([b"x" * 100])
+        pull.recv_multipart()
+
+    result = _timed(count, step)
+    echo.join(10)
+    ctx.destroy(linger=0)
+    return result
+
+
+def _control_echo(address_queue: Any, count: int) -> None:
+    from kvfsm.backends.control import ControlPlane
+
+    holder: dict[str, Any] = {}
+    done = threading.Event()
+    seen = [0]
+
+    def on_frames(frames: list[bytes]) -> None:
+        holder["plane"].send(holder["channel"], frames)
+        seen[0] += 1
+        if seen[0] >= count:
+            done.set()
+
+    plane = ControlPlane(on_frames=on_frames, on_housekeeping=lambda: 0.05)
+    holder["plane"] = plane
+    address_queue.put(plane.address)
+    holder["channel"] = plane.connect(address_queue.get())
+    plane.start()
+    done.wait(60)
+    time.sleep(0.2)
+    plane.stop()
+
+
+def control_round_trip(count: int) -> float:
+    from kvfsm.backends.control import ControlPlane
+
+    addresses: Any = multiprocessing.Queue()
+    echo = multiprocessing.Process(target=_control_echo, args=(addresses, count + 20), daemon=True)
+    echo.start()
+    echo_address = addresses.get(timeout=30)
+    arrived = threading.Event()
+    plane = ControlPlane(on_frames=lambda frames: arrived.set(), on_housekeeping=lambda: 0.05)
+    addresses.put(plane.address)
+    channel = plane.connect(echo_address)
+    plane.start()
+
+    def step() -> None:
+        arrived.clear()
+        plane.send(channel, [b"x" * 100])
+        arrived.wait(5)
+
+    try:
+        return _timed(count, step)
+    finally:
+        plane.stop()
+        echo.join(10)
+
+
+# -- engine writes -----------------------------------------------------------------
+
+
+def mooncake_page(count: int) -> tuple[float, float]:
+    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion."""
+    import torch
+    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    src = torch.ones(PAGE, dtype=torch.uint8)
+    dst = torch.zeros(PAGE, dtype=torch.uint8)
+    a, b = TransferEngine(), TransferEngine()
+    for engine in (a, b):
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    a.register_memory(src.data_ptr(), PAGE)
+    b.register_memory(dst.data_ptr(), PAGE)
+    target = f"127.0.0.1:{b.get_rpc_port()}"
+
+    def writes(parts: int) -> Callable[[], None]:
+        size = PAGE // parts
+
+        def step() -> None:
+            batches = [
+                a.transfer_submit_write(target, src.data_ptr() + i * size, dst.data_ptr() + i * size, size)
+                for i in range(parts)
+            ]
+            for batch in batches:
+                while (status := a.transfer_check_status(batch)) == 0:
+                    pass
+                if status != 1:
+                    raise RuntimeError(f"Mooncake write ended with status {status}")
+
+        return step
+
+    return _timed(count, writes(1)), _timed(count, writes(4))
+
+
+# -- naps and cold code ------------------------------------------------------------
+
+
+def _sleep_20us() -> float:
+    return _timed(500, lambda: time.sleep(20e-6))
+
+
+def naps() -> tuple[float, float]:
+    from kvfsm.backends._naps import precise_naps
+
+    result: dict[str, float] = {}
+
+    def measure() -> None:
+        result["default"] = _sleep_20us()
+        result["precise"] = _sleep_20us() if precise_naps() else float("nan")
+
+    thread = threading.Thread(target=measure)  # the slack is per thread: leave this one's alone
+    thread.start()
+    thread.join()
+    return result["default"], result["precise"]
+
+
+def codec(count: int) -> tuple[float, float]:
+    from kvfsm.backends import wire
+
+    fields = {"sid": "a" * 32, "key": "b" * 32, "room": 5, "gen": 123456789, "pages": [3], "aux": 1}
+
+    def encode() -> None:
+        wire.encode("ROOM", fields, check=False)
+
+    def cold() -> None:
+        time.sleep(0.001)
+        start = time.perf_counter()
+        encode()
+        samples.append(time.perf_counter() - start)
+
+    hot = _timed(count, encode)
+    samples: list[float] = []
+    for _ in range(min(count, 500)):
+        cold()
+    return hot, _median_us(samples)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The parts of a one-page cross-process request, each alone.")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts (default {','.join(PARTS)})")
+    parser.add_argument("--count", type=int, default=2000, help="round trips or writes per figure (default 2000)")
+    args = parser.parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--only: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
+    if args.count < 1:
+        parser.error("--count must be at least 1")
+    print(f"medians over {args.count} (naps and cold code: 500), microseconds")
+    if "tcp" in parts:
+        print(f"  round trip, raw TCP between two processes          {tcp_round_trip(args.count):8.1f}")
+    if "zmq" in parts:
+        print(f"  round trip, ZeroMQ PUSH/PULL between two processes  {zmq_round_trip(args.count):8.1f}")
+    if "control" in parts:
+        print(f"  round trip, kvfsm ControlPlane (+1 thread hand-off) {control_round_trip(args.count):8.1f}")
+    if "mooncake" in parts:
+        try:
+            one, four = mooncake_page(args.count)
+        except ImportError as exc:
+            print(f"  Mooncake: skipped ({exc})")
+        else:
+            print(f"  Mooncake, one 64 KiB write, submit to completion    {one:8.1f}")
+            print(f"  Mooncake, four 16 KiB writes (one page, 4 regions)  {four:8.1f}")
+    if "naps" in parts:
+        default, precise = naps()
+        print(f"  time.sleep(20e-6), default timer slack              {default:8.1f}")
+        print(f"  time.sleep(20e-6), timer slack 1 us                 {precise:8.1f}")
+    if "codec" in parts:
+        hot, cold = codec(args.count)
+        print(f"  encode a ROOM frame, hot                            {hot:8.1f}")
+        print(f"  encode a ROOM frame, after a 1 ms sleep             {cold:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

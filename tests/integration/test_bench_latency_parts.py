@@ -1,0 +1,49 @@
+"""benchmarks/latency_parts.py measures each part it names and refuses a part it does not know.
+
+Its figures are never asserted (they are what the machine gives); what is
+asserted: every part asked for prints a positive figure, a missing engine
+is a printed skip rather than a crash, a bad `--only` is a usage error,
+and it returns with nothing left running (its echo processes are joined).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq is needed for the control plane's round trip")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "latency_parts.py"
+
+
+def _run(*options: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, str(SCRIPT), *options], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_part_asked_for_prints_a_figure() -> None:
+    parts = "tcp,zmq,control,naps,codec" + (",mooncake" if importlib.util.find_spec("mooncake") else "")
+    done = _run("--only", parts, "--count", "50")
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {
+        line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1])
+        for line in done.stdout.splitlines()[1:]
+        if re.search(r"\d$", line)
+    }
+    expected = 7 + (2 if "mooncake" in parts else 0)
+    assert len(figures) == expected, done.stdout
+    assert all(value > 0 for value in figures.values()), figures
+
+
+def test_an_unknown_part_is_a_usage_error() -> None:
+    done = _run("--only", "tcp,frob")
+    assert done.returncode == 2
+    assert "unknown part 'frob'" in done.stderr
