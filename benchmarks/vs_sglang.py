@@ -52,6 +52,11 @@ Cases (each both implementations, back to back, the order alternating):
   over the measured phase);
 * ``256``: the same for kvfsm alone (``--sglang-max-inflight``).
 
+With ``--nixl`` every case also runs kvfsm over NIXL (``NixlBackend``, UCX
+over TCP, the same loop, pools and checks): its own rows and goals (every
+request succeeds; 256 against 16 in flight), no ratio to SGLang, whose
+backend here is Mooncake.
+
 The first requests of each case (``--warmup``) open connections and warm the
 engine and are not measured. Figures are printed side by side with the
 ratio kvfsm / SGLang from this same run and the goals of issue 12; a case in
@@ -71,6 +76,7 @@ From the project root, with kvfsm importable (``PYTHONPATH=.``), Mooncake
     PYTHONPATH=. python benchmarks/vs_sglang.py --sglang-python /path/to/sglang-venv/bin/python
     PYTHONPATH=. python benchmarks/vs_sglang.py                 # kvfsm's figures alone
     PYTHONPATH=. python benchmarks/vs_sglang.py --quick         # lat,4,16 with fewer requests
+    PYTHONPATH=. python benchmarks/vs_sglang.py --nixl          # kvfsm over NIXL too
     PYTHONPATH=. python benchmarks/vs_sglang.py --cases lat,16 --json out.json
 
 SGLang needs its own interpreter (it brings its own torch): a venv with
