@@ -18,10 +18,13 @@ claims of the session that have writes waiting: one slice of at most
 `_SLICE` writes each, the claim that went first last turn going last. So
 one large room cannot starve the others (it is one of the claims served),
 and under a deep queue rooms finish roughly in the order they came instead
-of all together at the end (which would make every one of them late). An engine that answers "busy" (`EngineBusy`) gets the slice back
-and a growing pause; only a real engine error fails the room. A stopped
-claim's waiting writes are dropped at once; the ones submitted are still
-waited for (the release gate).
+of all together at the end (which would make every one of them late).
+Claims that only wait for budget sit in their session's queue, not among
+the claims polled each turn, so a turn costs the same at 16 or 256 rooms
+in flight. An engine that answers "busy" (`EngineBusy`) gets the slice
+back and a growing pause; only a real engine error fails the room. A
+stopped claim's waiting writes are dropped at once; the ones submitted are
+still waited for (the release gate).
 
 When a turn moved nothing, the writer naps from 20 us, doubling up to
 `RemoteConfig.poll_interval` (its thread's timer slack is 1 us, so a nap
