@@ -47,7 +47,7 @@ class FastPathHost(Protocol):
     _lock: threading.Lock
     _clock: Callable[[], float]
     _observers: tuple[Any, ...]
-    # One per event name, written by the manager's `_watch`; read by the generated methods.
+    # Whether anyone observes each event (updated in place by the manager's `_watch`).
     _watching: dict[str, bool]
 
     def _log_failure(self, handle: Any, reason: FailureReason, /) -> None: ...
@@ -151,7 +151,7 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
         "    acquire()",
         "    try:",
         "        now = clock()",
-        f"        if now < deadlines.next_due and not manager._watch_{event}:",
+        f"        if now < deadlines.next_due and not watching[{event!r}]:",
         "            state = room.state",
     ]
     keyword = "if"
@@ -182,6 +182,7 @@ def handle_class(base: H, manager: FastPathHost, engine: CompiledEngine) -> H:
         release=manager._lock.release,
         clock=manager._clock,
         manager=manager,
+        watching=manager._watching,
         new_reason=new_reason,
         FailureReason=FailureReason,
         ABORTED=FailureKind.ABORTED,

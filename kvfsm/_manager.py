@@ -274,11 +274,6 @@ class TransferManager:
     come from any thread while another polls.
     """
 
-    # Whether anyone observes a room's open and close (set by `_watch`, with one `_watch_EVENT`
-    # per table event that the generated fast path reads).
-    _watch_open: bool
-    _watch_close: bool
-
     def __init__(
         self,
         role: Role | str,
@@ -323,6 +318,7 @@ class TransferManager:
         self._generation = 0
         # Observers and the events each wants (None: every one), and per event whether
         # anyone does: a step nobody observes builds no notice and keeps its fast path.
+        # `_watching` is updated in place, never replaced: the generated fast path holds it.
         self._observers: tuple[tuple[Observer, frozenset[str] | None], ...] = ()
         self._watching: dict[str, bool] = {}
         self._watch()
@@ -429,7 +425,7 @@ class TransferManager:
         lock.acquire()
         try:
             now = self._clock()
-            if now < self._deadlines.next_due and not self._watch_open:
+            if now < self._deadlines.next_due and not self._watching["open"]:
                 rooms = self._rooms
                 if room not in rooms:
                     self._generation += 1
@@ -461,7 +457,7 @@ class TransferManager:
                 self._rooms[room] = handle
                 self._enter_initial(handle, now, None)
                 self._table.stats.opened += 1
-                if self._watch_open:
+                if self._watching["open"]:
                     notices.append(StateChange(self.role, room, handle.generation, "open", None, handle.state, now))
         finally:
             if expired or notices:
@@ -480,7 +476,7 @@ class TransferManager:
         if handle is None:
             raise self._unknown(room)
         state = handle.state
-        if (state is _SUCCESS or state is _FAILED) and not self._watch_close:
+        if (state is _SUCCESS or state is _FAILED) and not self._watching["close"]:
             # The common case, without a notice to build: see `_close`.
             lock = self._lock
             lock.acquire()
@@ -549,9 +545,7 @@ class TransferManager:
     def _watch(self) -> None:
         """Recompute which events anyone observes (lock held, or in the constructor)."""
         for event in _NOTICE_EVENTS:
-            watched = any(events is None or event in events for _observer, events in self._observers)
-            self._watching[event] = watched
-            setattr(self, f"_watch_{event}", watched)
+            self._watching[event] = any(events is None or event in events for _observer, events in self._observers)
 
     def start_reaper(self, interval: float | None = None) -> None:
         """Start one daemon thread that calls `check_deadlines()` every `interval` s.
@@ -838,7 +832,7 @@ class TransferManager:
                     closed[room] = (handle.generation, handle.state, handle.finished_at)
                     if len(closed) >= self._remember_closed:
                         self._closed_older, self._closed = closed, {}
-                if self._watch_close:
+                if self._watching["close"]:
                     notice = StateChange(self.role, room, handle.generation, "close", handle.state, None, self._clock())
                     self._outbox.append(notice)
         finally:

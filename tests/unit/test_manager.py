@@ -577,5 +577,5 @@ def test_an_observer_may_watch_only_some_events() -> None:
 def test_a_filtered_observer_leaves_the_fast_path_in_place() -> None:
     manager = TransferManager("receiver")
     manager.subscribe(lambda change: None, events=("abort", "close"))
-    assert manager._watch_open is False and manager._watch_bootstrapped is False  # type: ignore[attr-defined]
-    assert manager._watch_abort is True and manager._watch_close is True  # type: ignore[attr-defined]
+    assert manager._watching["open"] is False and manager._watching["bootstrapped"] is False
+    assert manager._watching["abort"] is True and manager._watching["close"] is True
