@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import socket
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
+
+from tests.pipe_child import PipeChild, build_or_exit, exit_child, serve
 
 if TYPE_CHECKING:
     from kvfsm.backends.remote import RemoteBackend
@@ -97,17 +97,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class PeerProcess:
+class PeerProcess(PipeChild):
     """A child process running one endpoint; methods are remote calls."""
 
     def __init__(self, engine: str, role: str, heartbeat: float = 0.1, misses: int = 3, drain: float = 5.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_child_main, args=(child, engine, role, heartbeat, misses, drain), daemon=True
-        )
-        self.process.start()
-        child.close()
+        super().__init__(_child_main, (engine, role, heartbeat, misses, drain), f"{role} peer")
         self._address: str | None = None
 
     @property
@@ -118,31 +112,12 @@ class PeerProcess:
         return self._address
 
     def _call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
-        self._conn.send((name, args))
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer call {name}{args} did not answer in {timeout}s")
-        ok, value = self._conn.recv()
-        if not ok:
-            raise RuntimeError(f"peer call {name}{args} failed in the child:\n{value}")
-        return value
+        return super()._call(name, *args, timeout=timeout)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kw: self._call(name, *args, **kw)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(10)
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("exit", ()))
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-        self._conn.close()
 
 
 # -- the child ---------------------------------------------------------------------------
@@ -150,28 +125,9 @@ class PeerProcess:
 
 def _child_main(conn: Connection, engine: str, role: str, heartbeat: float, misses: int, drain: float) -> None:
     logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
-    try:
-        endpoint = _Endpoint(engine, role, heartbeat, misses, drain)
-    except BaseException:
-        conn.send((False, traceback.format_exc()))
-        conn.close()
-        os._exit(1)
-    while True:
-        try:
-            name, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        if name == "exit":
-            break
-        try:
-            conn.send((True, getattr(endpoint, name)(*args)))
-        except Exception:
-            conn.send((False, traceback.format_exc()))
-    with contextlib.suppress(Exception):
-        endpoint.backend.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    endpoint = build_or_exit(conn, lambda: _Endpoint(engine, role, heartbeat, misses, drain))
+    serve(conn, endpoint)
+    exit_child(endpoint.backend.close)
 
 
 class _Endpoint:

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
-import sys
 import time
 import traceback
 import zlib
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
+
+from tests.pipe_child import PipeChild, answer, build_or_exit, exit_child
 
 LAYERS = 2
 ROWS = 256  # token slots per KV buffer
@@ -45,16 +45,12 @@ def expected_value(rid: str, position: int, layer: int) -> float:
     return float(zlib.crc32(rid.encode()) % 997) * 1000.0 + position + layer * 0.25
 
 
-class PeerProcess:
+class PeerProcess(PipeChild):
     """A child process running one role's SGLang queues; `call(name, *args)` runs there."""
 
     def __init__(self, role: str, env: dict[str, str], bootstrap_port: int | None = None) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
         self.role = role
-        self.process = ctx.Process(target=_child_main, args=(child, role, env, bootstrap_port), daemon=True)
-        self.process.start()
-        child.close()
+        super().__init__(_child_main, (role, env, bootstrap_port), f"{role} peer")
         self._ready: Any = None
 
     def ready(self) -> Any:
@@ -63,18 +59,9 @@ class PeerProcess:
             self._ready = self._receive("start", START_TIMEOUT)
         return self._ready
 
-    def _receive(self, what: str, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"{self.role} peer: {what} did not answer in {timeout}s")
-        ok, value = self._conn.recv()
-        if not ok:
-            raise RuntimeError(f"{self.role} peer: {what} failed in the child:\n{value}")
-        return value
-
     def call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         self.ready()
-        self._conn.send((name, args))
-        return self._receive(f"{name}{args}", timeout)
+        return self._call(name, *args, timeout=timeout)
 
     def wait_for(self, event: tuple[Any, ...], timeout: float = CALL_TIMEOUT) -> list[tuple[Any, ...]]:
         """Wait until `event` is in the child's queue log; returns the log."""
@@ -93,18 +80,8 @@ class PeerProcess:
             raise RuntimeError(f"{self.role} peer: its scheduler loop raised:\n{status['errors'][0]}")
         return [tuple(event) for event in status["log"]]
 
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(10)
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("exit", ()))
-            self.process.join(15)
-        if self.process.is_alive():
-            self.kill()
-        self._conn.close()
+    def stop(self, grace: float = 15.0) -> None:
+        super().stop(grace)
 
 
 # -- the child ----------------------------------------------------------------------------
@@ -114,23 +91,20 @@ def _child_main(conn: Connection, role: str, env: dict[str, str], bootstrap_port
     os.environ.update(env)
     logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
     stack = contextlib.ExitStack()
-    try:
+
+    def build() -> _Peer:
         peer: _Peer = _PrefillPeer(stack) if role == "prefill" else _DecodePeer(stack, bootstrap_port)
         conn.send((True, peer.ready()))
-    except BaseException:
-        conn.send((False, traceback.format_exc()))
-        conn.close()
-        os._exit(1)
-    while True:
+        return peer
+
+    peer = build_or_exit(conn, build)
+    while True:  # SGLang's event loop, serving the parent's calls between iterations
         try:
             if conn.poll(0.002):
                 name, args = conn.recv()
                 if name == "exit":
                     break
-                try:
-                    conn.send((True, getattr(peer, name)(*args)))
-                except Exception:
-                    conn.send((False, traceback.format_exc()))
+                answer(conn, peer, name, args)
         except (EOFError, OSError):
             break
         try:
@@ -140,11 +114,7 @@ def _child_main(conn: Connection, role: str, env: dict[str, str], bootstrap_port
                 peer.errors.append(traceback.format_exc())
     with contextlib.suppress(Exception):
         peer.close()
-    with contextlib.suppress(Exception):
-        stack.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_child(stack.close)
 
 
 def _kv_args(q: Any, buffers: list[Any], metadata: Any) -> Any:

@@ -11,15 +11,12 @@ handlers (engines' threads may still be about).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
-import os
-import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
+
+from tests.pipe_child import PipeChild, build_or_exit, exit_child, serve
 
 CALL_TIMEOUT = 60.0
 
@@ -31,32 +28,22 @@ class Pending:
         self._peer, self._name, self._timeout = peer, name, timeout
 
     def result(self) -> Any:
-        conn = self._peer._conn
-        if not conn.poll(self._timeout):
-            raise TimeoutError(f"{self._peer.role} call {self._name} did not answer in {self._timeout}s")
-        ok, value = conn.recv()
-        if not ok:
-            raise RuntimeError(f"{self._peer.role} call {self._name} failed in the child:\n{value}")
-        return value
+        return self._peer._receive(f"call {self._name}", self._timeout)
 
 
-class EnginePeer:
+class EnginePeer(PipeChild):
     """A child process running one engine; `peer.name(...)` calls `name` there."""
 
     def __init__(self, kv_role: str, engine_id: str, extra: dict[str, Any], policy: str = "fail") -> None:
         self.role = kv_role
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(child, kv_role, engine_id, extra, policy), daemon=True)
-        self.process.start()
-        child.close()
+        super().__init__(_child_main, (kv_role, engine_id, extra, policy), kv_role)
 
     def ready(self, timeout: float = 180.0) -> None:
         """Wait until the child built its engine (importing vLLM takes a while)."""
         Pending(self, "start-up", timeout).result()
 
     def start(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Pending:
-        self._conn.send((name, args))
+        self._post(name, args)
         return Pending(self, name, timeout)
 
     def __getattr__(self, name: str) -> Any:
@@ -64,45 +51,19 @@ class EnginePeer:
             raise AttributeError(name)
         return lambda *args, timeout=CALL_TIMEOUT: self.start(name, *args, timeout=timeout).result()
 
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(10)
+    def stop(self, grace: float = 20.0) -> None:
+        super().stop(grace)
 
-    def stop(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("exit", ()))
-            self.process.join(20)
-        if self.process.is_alive():
-            self.kill()
-        self._conn.close()
+
+# -- the child ----------------------------------------------------------------------------
 
 
 def _child_main(conn: Connection, kv_role: str, engine_id: str, extra: dict[str, Any], policy: str) -> None:
     logging.basicConfig(level=logging.ERROR, format=f"[{kv_role}] %(levelname)s %(name)s: %(message)s")
-    try:
-        endpoint = _Endpoint(kv_role, engine_id, extra, policy)
-    except BaseException:
-        conn.send((False, traceback.format_exc()))
-        conn.close()
-        os._exit(1)
+    endpoint = build_or_exit(conn, lambda: _Endpoint(kv_role, engine_id, extra, policy))
     conn.send((True, "ready"))
-    while True:
-        try:
-            name, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        if name == "exit":
-            break
-        try:
-            conn.send((True, getattr(endpoint, name)(*args)))
-        except Exception:
-            conn.send((False, traceback.format_exc()))
-    with contextlib.suppress(Exception):
-        endpoint.engine.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    serve(conn, endpoint)
+    exit_child(endpoint.engine.shutdown)
 
 
 class _Endpoint:
