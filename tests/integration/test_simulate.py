@@ -87,7 +87,9 @@ def _outcomes(backend: str, seed: int) -> dict[str, object]:
     args = default_args(
         backend=backend, requests=300, pages=4, page_size=2048, no_progress=True, seed=seed, abort_rate=0.2
     )
-    args.fail_rate, args.stall_rate = 0.05, 0.01
+    # Deadlines far above a copy's time, so only the planned stalls meet them: on a busy
+    # machine a 0.5 s deadline could also end a slow copy, and the seed cannot decide that.
+    args.fail_rate, args.stall_rate, args.transfer_timeout = 0.05, 0.01, 2.0
     summary = simulate(args, out=io.StringIO(), err=io.StringIO())
     assert summary["ok"], summary["verification"]
     return summary
