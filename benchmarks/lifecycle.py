@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvfsm.cli import main  # after the path is set
+from kvfsm.tools.cli import main  # after the path is set
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -2,7 +2,7 @@
 
 Nothing the reader sees about the lifecycle is typed into the docs by hand:
 
-* ``kvfsm-diagram`` inlines the SVG that `kvfsm.diagrams` draws from the
+* ``kvfsm-diagram`` inlines the SVG that `kvfsm.tools.diagrams` draws from the
   live `transitions` machine (graphviz at build time; no JavaScript, no
   CDN), so the page shows the machine the code runs.
 * ``kvfsm-transitions`` is the declaration (`kvfsm.TRANSITIONS`) as a table.
@@ -10,12 +10,12 @@ Nothing the reader sees about the lifecycle is typed into the docs by hand:
   machine: where the event leads, or what the manager does instead (late
   events absorbed, out-of-order events failing the room).
 * ``kvfsm-cli-reference`` runs ``kvfsm <command> --help`` for every entry
-  of `kvfsm.cli.COMMANDS`, so a new command appears without a docs edit.
+  of `kvfsm.tools.cli.COMMANDS`, so a new command appears without a docs edit.
 
 The wire protocol page is drawn from `kvfsm.backends.wire` the same way:
 
 * ``kvfsm-wire-diagram`` inlines the SVG of one record table (`decode`,
-  `claim`, `room`) that `kvfsm.diagrams.render_wire` lays out from its rows.
+  `claim`, `room`) that `kvfsm.tools.diagrams.render_wire` lays out from its rows.
 * ``kvfsm-wire-rows`` is that table's rows: input, from, to, messages sent.
 * ``kvfsm-wire-messages`` is `wire.MESSAGES`; ``kvfsm-wire-fields`` every
   header field with the check `wire.decode` applies to it.
@@ -43,10 +43,10 @@ from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
 import kvfsm
-from kvfsm import diagrams
 from kvfsm._machine import lifecycle_machine
 from kvfsm.backends import wire
-from kvfsm.cli import COMMANDS, main
+from kvfsm.tools import diagrams
+from kvfsm.tools.cli import COMMANDS, main
 
 logger = logging.getLogger(__name__)
 

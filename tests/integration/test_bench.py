@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm import bench
-from kvfsm.cli import main
+from kvfsm.tools import bench
+from kvfsm.tools.cli import main
 
 
 def test_threads_and_memory_goals_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 import kvfsm
-from kvfsm import bench
-from kvfsm._native_log import route_line
-from kvfsm.cli import main
+from kvfsm.tools import bench
+from kvfsm.tools._native_log import route_line
+from kvfsm.tools.cli import main
 
 REPO = Path(kvfsm.__file__).resolve().parents[1]
 
@@ -36,7 +36,11 @@ def _env(*front: Path) -> dict[str, str]:
 
 def _kvfsm(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvfsm.cli", *args], capture_output=True, text=True, env=env or _env(), timeout=timeout
+        [sys.executable, "-m", "kvfsm.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        timeout=timeout,
     )
 
 
@@ -138,7 +142,7 @@ def test_a_huge_run_shows_progress_at_once_stays_small_and_ctrl_c_prints_one_lin
     # Before, `--requests 1000000000000` built a generator per request up
     # front: 3.2 GB in 15 s, nothing printed, and Ctrl-C a traceback.
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvfsm.cli", "simulate", "--backend", "fake", "--requests", str(10**12)],
+        [sys.executable, "-m", "kvfsm.tools.cli", "simulate", "--backend", "fake", "--requests", str(10**12)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -368,7 +368,7 @@ def test_built_pages_hold_what_the_code_declares(html_dir: Path) -> None:
     missing = [name for name in kvfsm.__all__ if f'id="kvfsm.{name}"' not in api]
     assert missing == [], f"names of kvfsm.__all__ missing from the API reference: {missing}"
     cli = (html_dir / "cli.html").read_text(encoding="utf-8")
-    from kvfsm.cli import COMMANDS
+    from kvfsm.tools.cli import COMMANDS
 
     for command in COMMANDS:
         assert f"usage: kvfsm {command}" in cli, command

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm import cli
-from kvfsm._cliargs import UsageError
-from kvfsm.simulate import VERIFICATION_CHECKS, default_args, simulate
+from kvfsm.tools import cli
+from kvfsm.tools._cliargs import UsageError
+from kvfsm.tools.simulate import VERIFICATION_CHECKS, default_args, simulate
 
 SMALL = ["--requests", "60", "--pages", "4", "--page-size", "2048", "--chunks", "3", "--no-progress"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.simulate import default_args
-from kvfsm.simulate_remote import simulate_remote
+from kvfsm.tools.simulate import default_args
+from kvfsm.tools.simulate_remote import simulate_remote
 
 from .remote_peer import engine_missing
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from kvfsm.simulate import default_args, simulate
+from kvfsm.tools.simulate import default_args, simulate
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`kvfsm.diagrams` and `kvfsm diagram`: drawn from the live machine, checkable for drift."""
+"""`kvfsm.tools.diagrams` and `kvfsm diagram`: drawn from the live machine, checkable for drift."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ from pathlib import Path
 import pytest
 
 from kvfsm import NON_TERMINAL, TERMINAL, ConfigError, KVPoll, Role
-from kvfsm import diagrams as kd
 from kvfsm._machine import lifecycle_machine
 from kvfsm.backends import wire
 from kvfsm.backends.wire import WireTable
-from kvfsm.cli import main
+from kvfsm.tools import diagrams as kd
+from kvfsm.tools.cli import main
+from kvfsm.tools.diagrams import formats
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = sorted((REPO / "docs" / "diagrams").glob("lifecycle-*.mmd"))
-needs_graphviz_py = pytest.mark.skipif(not kd._graphviz_importable(), reason="python package 'graphviz' missing")
+needs_graphviz_py = pytest.mark.skipif(not formats.graphviz_importable(), reason="python package 'graphviz' missing")
 # svg and png need both: the Python package builds the graph, Debian's `dot` renders it.
 needs_dot = pytest.mark.skipif(
-    kd._dot_program() is None or not kd._graphviz_importable(),
+    formats.dot_program() is None or not formats.graphviz_importable(),
     reason="graphviz 'dot' (Debian: graphviz) or the python package 'graphviz' not installed",
 )
 
@@ -217,7 +218,7 @@ def test_binary_format_to_stdout_is_refused(capsys: pytest.CaptureFixture[str]) 
 def test_missing_dot_program_names_the_debian_package(
     fmt: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(kd, "_dot_program", lambda: None)
+    monkeypatch.setattr(formats, "dot_program", lambda: None)
     with pytest.raises(kd.GraphvizMissing, match=r"Debian package 'graphviz' \(apt-get install graphviz\)") as info:
         kd.render("sender", fmt)
     assert isinstance(info.value, RuntimeError)
@@ -227,7 +228,7 @@ def test_missing_dot_program_names_the_debian_package(
 
 
 def test_missing_python_graphviz_names_the_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kd, "_graphviz_importable", lambda: False)
+    monkeypatch.setattr(formats, "graphviz_importable", lambda: False)
     with pytest.raises(kd.GraphvizMissing, match="Python package 'graphviz'"):
         kd.render("sender", "dot")
     # mermaid needs nothing.
@@ -465,17 +466,19 @@ def test_wire_stdout_is_the_mermaid(capsys: pytest.CaptureFixture[str]) -> None:
 def test_wire_svg_without_dot_names_the_debian_package(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(kd, "_dot_program", lambda: None)
+    monkeypatch.setattr(formats, "dot_program", lambda: None)
     with pytest.raises(kd.GraphvizMissing, match=r"apt-get install graphviz"):
         kd.render_wire("claim", "svg")
     assert main(["diagram", "--wire", "claim", "-o", str(tmp_path / "claim.svg")]) == 2
     assert "apt-get install graphviz" in capsys.readouterr().err
     # dot is text kvfsm writes itself: it needs neither graphviz package nor program.
-    monkeypatch.setattr(kd, "_graphviz_importable", lambda: False)
+    monkeypatch.setattr(formats, "graphviz_importable", lambda: False)
     assert kd.render_wire("claim", "dot").startswith(b'digraph "kvfsm wire protocol: claim records"')
 
 
-needs_dot_program = pytest.mark.skipif(kd._dot_program() is None, reason="graphviz 'dot' (Debian: graphviz) missing")
+needs_dot_program = pytest.mark.skipif(
+    formats.dot_program() is None, reason="graphviz 'dot' (Debian: graphviz) missing"
+)
 
 
 @needs_dot_program

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import kvfsm
-from kvfsm.cli import main
+from kvfsm.tools.cli import main
 
 DESIGN_NAMES = [
     "KVPoll",

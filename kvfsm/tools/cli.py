@@ -23,9 +23,12 @@ __all__ = ["main", "COMMANDS"]
 
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("kvfsm.simulate", "run N prefill->decode transfers and verify every lifecycle"),
-    "diagram": ("kvfsm.diagrams", "draw the lifecycle or a wire protocol table from the code (mermaid, dot, svg, png)"),
-    "bench": ("kvfsm.bench", "measure the lifecycle's speed and memory against hand-written baselines"),
+    "simulate": ("kvfsm.tools.simulate", "run N prefill->decode transfers and verify every lifecycle"),
+    "diagram": (
+        "kvfsm.tools.diagrams",
+        "draw the lifecycle or a wire protocol table from the code (mermaid, dot, svg, png)",
+    ),
+    "bench": ("kvfsm.tools.bench", "measure the lifecycle's speed and memory against hand-written baselines"),
 }
 
 #: Exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
@@ -33,7 +36,7 @@ INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog="kvfsm",

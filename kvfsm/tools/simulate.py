@@ -68,9 +68,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from .._manager import TransferHandle, TransferManager
+from .._observe import StateChange
+from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Timeouts
+from ..metrics import TransferMetrics
 from ._cliargs import UsageError, output_path, positive_int, positive_seconds, rate
-from ._manager import TransferHandle, TransferManager
-from ._observe import StateChange
 from ._simulation import (
     REMOTE_BACKENDS,
     VERIFICATION_CHECKS,
@@ -82,14 +84,12 @@ from ._simulation import (
     print_summary,
     write_json,
 )
-from ._states import TERMINAL, FailureKind, FailureReason, KVPoll, Timeouts
-from .metrics import TransferMetrics
 
 if TYPE_CHECKING:
     import torch
 
-    from .backends.base import KVBackend
-    from .backends.local import LocalBackend
+    from ..backends.base import KVBackend
+    from ..backends.local import LocalBackend
 
 __all__ = [
     "configure",
@@ -108,7 +108,7 @@ LAYERS = 2
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .backends import BACKENDS
+    from ..backends import BACKENDS
 
     parser.add_argument(
         "--backend", choices=sorted(BACKENDS), default="local", help="transfer engine (default: %(default)s)"
@@ -475,7 +475,7 @@ def _release(
 
 
 def _make_world(args: argparse.Namespace) -> _World:
-    from .backends import KVPools, get_backend
+    from ..backends import KVPools, get_backend
 
     backend_cls = get_backend(args.backend)
     # The sender sends as soon as it is bootstrapped and holds the deadlines
@@ -502,8 +502,8 @@ def _make_world(args: argparse.Namespace) -> _World:
         )  # fmt: skip
     import torch
 
-    from .backends._pagecopy import word_view
-    from .backends.local import Faults, LocalBackend
+    from ..backends._pagecopy import word_view
+    from ..backends.local import Faults, LocalBackend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     element = 2  # bfloat16

@@ -19,7 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from ._root_errors import ConfigError, KVFSMError
+from .._root_errors import ConfigError, KVFSMError
 
 __all__ = ["UsageError", "CommandError", "MissingDependency", "positive_int", "rate", "positive_seconds", "output_path"]
 

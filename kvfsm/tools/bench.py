@@ -8,7 +8,7 @@ collector off while timing (as `timeit` does). Goals are those of issues 7
 and 12; a goal the run misses is printed as missed, and is a finding, not
 an error: the exit status is 0 unless `--strict` is given (then 1).
 
-The baselines:
+The baselines (written in `_baselines.py`, apart from this harness):
 
 * `sglang` is what kvfsm replaces: a slotted per-request object with
   timestamps that pushes every status into the manager's shared dict
@@ -39,11 +39,19 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._manager import TransferHandle, TransferManager
+from .._states import FailureKind, KVPoll, RoomId, Timeouts
+from ._baselines import (
+    BOOTSTRAPPING,
+    SGLangStyleManager,
+    SGLangStyleSender,
+    bare_lifecycles,
+    kvfsm_lifecycles,
+    machine_per_request,
+    sglang_lifecycles,
+    shared_machine,
+)
 from ._cliargs import CommandError, output_path, positive_int
-from ._machine import build_machine
-from ._manager import TransferHandle, TransferManager
-from ._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
-from ._status import StatusTable, retire
 
 __all__ = ["configure", "run", "run_benchmarks", "SECTIONS"]
 
@@ -141,249 +149,6 @@ def _statements(stmts: dict[str, str], namespace: dict[str, Any], number: int, r
     return best
 
 
-# -- the baselines -------------------------------------------------------------------
-
-
-_FAILED, _BOOT, _WAIT, _XFER, _OK = 0, 1, 2, 3, 4  # SGLang's KVPoll: plain ints
-
-
-class SGLangStyleManager:
-    """SGLang's KV manager status bookkeeping, as it is written there."""
-
-    def __init__(self) -> None:
-        self.request_status: dict[int, int] = {}
-        self.failure_records: dict[int, str] = {}
-        self.failure_lock = threading.Lock()
-
-    def update_status(self, bootstrap_room: int, status: int) -> None:
-        if bootstrap_room not in self.request_status:
-            self.request_status[bootstrap_room] = status
-        elif status == _FAILED:
-            self.request_status[bootstrap_room] = _FAILED
-        else:
-            self.request_status[bootstrap_room] = max(self.request_status[bootstrap_room], status)
-
-    def check_status(self, bootstrap_room: int) -> int:
-        return self.request_status[bootstrap_room]
-
-    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
-        with self.failure_lock:
-            self.failure_records[bootstrap_room] = failure_reason
-
-
-class SGLangStyleSender:
-    """A slotted request object with timestamps, SGLang style (no state machine)."""
-
-    __slots__ = (
-        "bootstrap_room",
-        "chunks",
-        "conclude_state",
-        "entered_at",
-        "finished_at",
-        "init_time",
-        "kv_mgr",
-        "last_chunk_at",
-        "nbytes",
-        "state",
-        "transfer_started_at",
-    )
-
-    def __init__(self, mgr: SGLangStyleManager, bootstrap_room: int) -> None:
-        self.kv_mgr = mgr
-        self.bootstrap_room = bootstrap_room
-        self.init_time = self.entered_at = time.monotonic()
-        self.transfer_started_at: float | None = None
-        self.last_chunk_at: float | None = None
-        self.finished_at: float | None = None
-        self.nbytes = self.chunks = 0
-        self.state = _BOOT
-        self.conclude_state: int | None = None
-        mgr.update_status(bootstrap_room, _BOOT)
-
-    def bootstrapped(self) -> None:
-        if self.state == _BOOT:
-            self.state = _WAIT
-            self.entered_at = time.monotonic()
-            self.kv_mgr.update_status(self.bootstrap_room, _WAIT)
-
-    def transfer_started(self) -> None:
-        if self.state == _WAIT:
-            self.state = _XFER
-            self.entered_at = self.transfer_started_at = time.monotonic()
-            self.kv_mgr.update_status(self.bootstrap_room, _XFER)
-
-    def chunk_done(self, nbytes: int, last: bool = False) -> None:
-        if self.state == _XFER:
-            self.nbytes += nbytes
-            self.chunks += 1
-            if last:
-                self.last_chunk_at = time.monotonic()
-
-    def transfer_done(self) -> None:
-        if self.state == _XFER:
-            self.state = _OK
-            self.entered_at = self.finished_at = time.monotonic()
-            self.kv_mgr.update_status(self.bootstrap_room, _OK)
-
-    def abort(self) -> None:
-        self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
-        self.conclude_state = self.state = _FAILED
-        self.finished_at = time.monotonic()
-        self.kv_mgr.update_status(self.bootstrap_room, _FAILED)
-
-    def clear(self) -> None:
-        if self.bootstrap_room in self.kv_mgr.request_status:
-            self.kv_mgr.request_status.pop(self.bootstrap_room)
-
-
-class BareSender:
-    """The least code that could track a request: direct dict writes."""
-
-    __slots__ = ("entered_at", "finished_at", "nbytes", "room", "state", "status", "transfer_started_at")
-
-    def __init__(self, status: dict[int, int], room: int) -> None:
-        self.status = status
-        self.room = room
-        self.entered_at = time.monotonic()
-        self.transfer_started_at: float | None = None
-        self.finished_at: float | None = None
-        self.nbytes = 0
-        self.state = _BOOT
-        status[room] = _BOOT
-
-    def bootstrapped(self) -> None:
-        if self.state == _BOOT:
-            self.state = _WAIT
-            self.entered_at = time.monotonic()
-            self.status[self.room] = _WAIT
-
-    def transfer_started(self) -> None:
-        if self.state == _WAIT:
-            self.state = _XFER
-            self.entered_at = self.transfer_started_at = time.monotonic()
-            self.status[self.room] = _XFER
-
-    def chunk_done(self, nbytes: int, last: bool = False) -> None:
-        if self.state == _XFER:
-            self.nbytes += nbytes
-            if last:
-                self.finished_at = time.monotonic()
-
-    def transfer_done(self) -> None:
-        if self.state == _XFER:
-            self.state = _OK
-            self.entered_at = self.finished_at = time.monotonic()
-            self.status[self.room] = _OK
-
-    def close(self) -> None:
-        del self.status[self.room]
-
-
-class _TransitionsRecord:
-    """A plain record for the `transitions` variants (it attaches methods to it)."""
-
-    def __init__(self, table: StatusTable, room: int) -> None:
-        self.room: RoomId = room
-        self.state = KVPoll.Bootstrapping
-        self.reason: FailureReason | None = None
-        self.entered_at = self.opened_at = 0.0
-        self.transfer_started_at: float | None = None
-        self.finished_at: float | None = None
-        self._table = table
-
-
-# -- one lifecycle, per candidate ---------------------------------------------------------
-
-
-def _kvfsm_lifecycles(manager: TransferManager, rooms: range) -> Callable[[], None]:
-    def go() -> None:
-        open_, close = manager.open, manager.close
-        for room in rooms:
-            h = open_(room)
-            h.bootstrapped()
-            h.transfer_started()
-            h.chunk_done(65536, True)
-            h.transfer_done()
-            close(room)
-
-    return go
-
-
-def _sglang_lifecycles(mgr: SGLangStyleManager, rooms: range) -> Callable[[], None]:
-    def go() -> None:
-        for room in rooms:
-            s = SGLangStyleSender(mgr, room)
-            s.bootstrapped()
-            s.transfer_started()
-            s.chunk_done(65536, True)
-            s.transfer_done()
-            s.kv_mgr.check_status(room)
-            s.clear()
-
-    return go
-
-
-def _bare_lifecycles(status: dict[int, int], rooms: range) -> Callable[[], None]:
-    def go() -> None:
-        for room in rooms:
-            s = BareSender(status, room)
-            s.bootstrapped()
-            s.transfer_started()
-            s.chunk_done(65536, True)
-            s.transfer_done()
-            s.close()
-
-    return go
-
-
-def _machine_per_request(rooms: range) -> Callable[[], None]:
-    table = StatusTable(Timeouts())
-
-    def go() -> None:
-        for room in rooms:
-            record = _TransitionsRecord(table, room)
-            machine = build_machine(Role.SENDER)
-            machine.add_model(record)
-            _transitions_lifecycle(machine, record)
-
-    return go
-
-
-def _transitions_lifecycle(machine: Any, record: _TransitionsRecord) -> None:
-    """One lifecycle of a record already added to a `transitions` machine, then its retirement."""
-    clock = time.monotonic
-    m: Any = record
-    machine.get_state("Bootstrapping").enter(_event_data(machine, record, clock()))
-    m.bootstrapped(record, clock(), None)
-    m.transfer_started(record, clock(), None)
-    m.transfer_done(record, clock(), None)
-    retire(record, clock(), None)
-
-
-def _event_data(machine: Any, record: object, now: float) -> Any:
-    from transitions.core import EventData
-
-    state = machine.get_state("Bootstrapping")
-    return EventData(state, None, machine, record, args=(record, now, None), kwargs={})
-
-
-def _shared_machine(rooms: range, background: int) -> tuple[Callable[[], None], Any]:
-    table = StatusTable(Timeouts(bootstrap=None, waiting=None))
-    machine = build_machine(Role.SENDER)
-    others = [_TransitionsRecord(table, -1 - i) for i in range(background)]
-    if others:
-        machine.add_model(others)
-
-    def go() -> None:
-        for room in rooms:
-            record = _TransitionsRecord(table, room)
-            machine.add_model(record)
-            _transitions_lifecycle(machine, record)
-            machine.remove_model(record)
-
-    return go, machine
-
-
 # -- sections ------------------------------------------------------------------------------
 
 
@@ -429,9 +194,9 @@ def bench_lifecycle(report: Report, quick: bool, repeats: int) -> None:
     reference = TransferManager("sender", engine="transitions")
     times = _race(
         {
-            "kvfsm": _kvfsm_lifecycles(compiled, rooms),
-            "sglang": _sglang_lifecycles(SGLangStyleManager(), rooms),
-            "bare": _bare_lifecycles({}, rooms),
+            "kvfsm": kvfsm_lifecycles(compiled, rooms),
+            "sglang": sglang_lifecycles(SGLangStyleManager(), rooms),
+            "bare": bare_lifecycles({}, rooms),
         },
         n,
         repeats,
@@ -439,8 +204,8 @@ def bench_lifecycle(report: Report, quick: bool, repeats: int) -> None:
     slow_n = max(50, n // 20)
     slow = _race(
         {
-            "kvfsm_transitions_engine": _kvfsm_lifecycles(reference, range(slow_n)),
-            "machine_per_request": _machine_per_request(range(slow_n)),
+            "kvfsm_transitions_engine": kvfsm_lifecycles(reference, range(slow_n)),
+            "machine_per_request": machine_per_request(range(slow_n)),
         },
         slow_n,
         max(2, repeats // 2),
@@ -449,7 +214,7 @@ def bench_lifecycle(report: Report, quick: bool, repeats: int) -> None:
     shared_sizes = [0, 1_000] if quick else [0, 1_000, 10_000]
     for size in shared_sizes:
         count = 20 if size else slow_n
-        go, _machine = _shared_machine(range(count), size)
+        go, _machine = shared_machine(range(count), size)
         times[f"shared_machine_add_model_{size}_live"] = _race({"x": go}, count, 2)["x"]
     data["seconds_per_lifecycle"] = times
     report.line("kvfsm TransferManager (compiled engine)", _us(times["kvfsm"]))
@@ -512,7 +277,7 @@ def bench_reads(report: Report, quick: bool, repeats: int | None) -> None:
     data = report.section("reads", "status reads (1,000 live rooms, deadlines armed)")
     manager = TransferManager("sender")
     handles = [manager.open(room) for room in range(1_000)]
-    status = {room: _BOOT for room in range(1_000)}
+    status = {room: BOOTSTRAPPING for room in range(1_000)}
     sglang = SGLangStyleManager()
     sglang.request_status.update(status)
     namespace: dict[str, Any] = {
@@ -613,7 +378,7 @@ def bench_memory(report: Report, quick: bool, repeats: int) -> None:
     gc.disable()
     try:
         manager = TransferManager("sender")
-        _kvfsm_lifecycles(manager, range(10_000))()
+        kvfsm_lifecycles(manager, range(10_000))()
         for room in range(5_000):  # the failure paths too: abort and timeouts
             h = manager.open(room)
             h.bootstrapped()

@@ -36,13 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .._states import KVPoll
 from ._cliargs import MissingDependency, UsageError
 from ._native_log import capture_native_stderr
 from ._simulation import REMOTE_BACKENDS, PagePool, RequestResult, build_summary, print_summary, write_json
-from ._states import KVPoll
 
 if TYPE_CHECKING:
-    from .backends.base import KVBackend
+    from ..backends.base import KVBackend
 
 __all__ = ["simulate_remote", "run", "REMOTE_BACKENDS", "missing_engine", "ENGINE_INSTALL"]
 

@@ -31,10 +31,10 @@ from typing import Any, TextIO
 
 import attrs
 
+from .._manager import TransferManager
+from .._states import KVPoll
+from ..metrics import THROUGHPUT_BUCKETS, Histogram, TransferMetrics
 from ._cliargs import CommandError
-from ._manager import TransferManager
-from ._states import KVPoll
-from .metrics import THROUGHPUT_BUCKETS, Histogram, TransferMetrics
 
 __all__ = [
     "VERIFICATION_CHECKS",
