@@ -232,12 +232,12 @@ def naps() -> tuple[float, float]:
 
 
 def codec(count: int) -> tuple[float, float]:
-    from kvfsm.backends import wire
+    from kvfsm.backends import codec as frames
 
     fields = {"sid": "a" * 32, "key": "b" * 32, "room": 5, "gen": 123456789, "pages": [3], "aux": 1}
 
     def encode() -> None:
-        wire.encode("ROOM", fields, check=False)
+        frames.encode("ROOM", fields, check=False)
 
     def cold() -> None:
         time.sleep(0.001)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 import kvfsm
+from kvfsm.backends._transport import ControlStats
 from kvfsm.backends.base import BackendError, KVPools, MemoryRegion
-from kvfsm.backends.control import ControlStats
 from kvfsm.backends.remote import EngineAdapter, EngineBusy, EngineJob, RemoteBackend, RemoteConfig, Write
 from tests.helpers import FakeClock
 

@@ -18,7 +18,7 @@ The wire protocol page is drawn from `kvfsm.backends.wire` the same way:
   `claim`, `room`) that `kvfsm.tools.diagrams.render_wire` lays out from its rows.
 * ``kvfsm-wire-rows`` is that table's rows: input, from, to, messages sent.
 * ``kvfsm-wire-messages`` is `wire.MESSAGES`; ``kvfsm-wire-fields`` every
-  header field with the check `wire.decode` applies to it.
+  header field with the check `codec.decode` applies to it.
 * ``kvfsm-wire-bounds`` is every bound on what the network feeds an
   endpoint, each value read from the code that enforces it.
 
@@ -255,7 +255,7 @@ class WireMessagesDirective(SphinxDirective):
 
 
 class WireFieldsDirective(SphinxDirective):
-    """``kvfsm-wire-fields``: each header field, the check `wire.decode` applies, and where it appears."""
+    """``kvfsm-wire-fields``: each header field, the check `codec.decode` applies, and where it appears."""
 
     has_content = False
 
@@ -267,7 +267,7 @@ class WireFieldsDirective(SphinxDirective):
         rows = []
         for (field, check), messages in uses.items():
             # The codec's own description of the check, the text its refusals quote.
-            must = wire._CHECK_DOCS[check]
+            must = wire.CHECK_DOCS[check]
             rows.append([_cell(_literal(field)), _cell(must), _cell(*_joined(_literal(m) for m in messages))])
         return [_table(["field", "must be", "in"], rows, [14, 50, 36], ["kvfsm-wire-fields"])]
 
@@ -324,7 +324,7 @@ class WireBoundsDirective(SphinxDirective):
             (
                 "frames per message",
                 "2 or 3",
-                "wire.decode (magic, header, optional blob)",
+                "codec.decode (magic, header, optional blob)",
                 "dropped, counted as malformed",
             ),
             (

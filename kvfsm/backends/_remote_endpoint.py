@@ -27,17 +27,17 @@ import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from .._errors import ConfigError
 from .._states import FailureKind, FailureReason, Role
-from . import wire
+from . import codec, wire
 from ._remote_engine import EngineAdapter
 from ._sessions import Session, SessionState, SessionTable
+from ._transport import Transport
 from .base import KVBackend, KVPools, MemoryRegion
-from .control import ControlStats
 
 __all__ = [
     "Fire",
@@ -174,21 +174,6 @@ class RemoteStats:
     hellos_dropped: int = 0
 
 
-class Transport(Protocol):
-    """What an endpoint needs from the bytes below it (`ControlPlane`, or a simulated network)."""
-
-    address: str
-    stats: ControlStats
-
-    def connect(self, addr: str) -> Any: ...
-
-    def send(self, channel: Any, frames: list[bytes]) -> bool: ...
-
-    def close_channel(self, channel: Any) -> None: ...
-
-    def wake(self) -> None: ...
-
-
 def pools_fields(pools: KVPools) -> dict[str, Any]:
     def regions(items: tuple[MemoryRegion, ...]) -> list[list[Any]]:
         return [[r.ptr, r.nbytes, r.page_nbytes, r.dtype, r.device] for r in items]
@@ -219,7 +204,7 @@ def pools_from_fields(fields: Any) -> KVPools:
     return KVPools(regions(fields.get("kv"), "kv"), regions(fields.get("aux", []), "aux"))
 
 
-def peer_reason(session: Session, frame: wire.Frame) -> FailureReason:
+def peer_reason(session: Session, frame: codec.Frame) -> FailureReason:
     """The failure an ABORT from the peer becomes on this side."""
     try:
         kind = FailureKind(frame["kind"])
@@ -320,7 +305,7 @@ class RemoteEndpoint(KVBackend):
         """Send one authenticated frame of `session` (lock held or not: the transport does not call back)."""
         if session.channel is None or session.state is SessionState.CLOSED:
             return False
-        frames = wire.encode(kind, {**session.auth, **fields}, blob, check=self.check_frames)
+        frames = codec.encode(kind, {**session.auth, **fields}, blob, check=self.check_frames)
         return bool(self.transport.send(session.channel, frames))
 
     def _emit(self, session: Session | None, row: wire.WireRow, build: Callable[[str], dict[str, Any]]) -> None:
@@ -342,8 +327,8 @@ class RemoteEndpoint(KVBackend):
         """One message from the transport: validate, authenticate, dispatch. Never raises on bad input."""
         stats = self.transport.stats
         try:
-            frame = wire.decode(frames)
-        except wire.MalformedFrame as exc:
+            frame = codec.decode(frames)
+        except codec.MalformedFrame as exc:
             setattr(stats, exc.category, getattr(stats, exc.category) + 1)
             logger.debug("kvfsm %s: dropped a %s control message: %s", self.name, exc.category, exc)
             return
@@ -388,11 +373,11 @@ class RemoteEndpoint(KVBackend):
         return True
 
     @abc.abstractmethod
-    def _on_hello(self, frame: wire.Frame) -> None:
+    def _on_hello(self, frame: codec.Frame) -> None:
         """A HELLO (only a prefill takes them)."""
 
     @abc.abstractmethod
-    def _on_frame(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_frame(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         """An authenticated frame of `session` (lock held); handle events go into `fire`."""
 
     # -- the periodic work ----------------------------------------------------------------------
@@ -471,15 +456,15 @@ class RemoteEndpoint(KVBackend):
             for session in self.sessions.up():
                 self._send_frame(session, "BYE", {})
 
-    def _verify_mac(self, kind: str, frame: wire.Frame) -> bool:
+    def _verify_mac(self, kind: str, frame: codec.Frame) -> bool:
         """With a shared key, whether a handshake frame carries the right MAC (constant time)."""
         key = self.config.shared_key
         if key is None:
             return True
         mac = frame["mac"]
-        expected = wire.handshake_mac(key, kind, frame.fields, frame.blob)
+        expected = codec.handshake_mac(key, kind, frame.fields, frame.blob)
         return isinstance(mac, str) and secrets.compare_digest(mac, expected)
 
     def _mac(self, kind: str, fields: dict[str, Any], blob: bytes | None) -> str | None:
         key = self.config.shared_key
-        return None if key is None else wire.handshake_mac(key, kind, {**fields, "mac": None}, blob)
+        return None if key is None else codec.handshake_mac(key, kind, {**fields, "mac": None}, blob)

@@ -15,7 +15,8 @@ import abc
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .base import BackendError, MemoryRegion
+from ._errors import BackendError
+from .memory import MemoryRegion
 
 __all__ = ["EngineAdapter", "EngineBusy", "EngineJob", "PartialSubmit", "Write", "coalesce_runs", "page_writes"]
 

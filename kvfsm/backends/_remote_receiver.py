@@ -29,10 +29,10 @@ from typing import Any
 
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
-from . import wire
+from . import codec, wire
+from ._errors import BackendError
 from ._remote_endpoint import Fire, RemoteEndpoint, new_generation, peer_reason, pools_from_fields, step
 from ._sessions import Session, SessionState
-from .base import BackendError
 
 __all__ = ["ReceiverSide", "RecvRecord"]
 
@@ -132,7 +132,7 @@ class ReceiverSide(RemoteEndpoint):
             "session": fields,
         }
         hello["mac"] = self._mac("HELLO", hello, blob)
-        self.transport.send(session.channel, wire.encode("HELLO", hello, blob))
+        self.transport.send(session.channel, codec.encode("HELLO", hello, blob))
         return session
 
     def _expect(self, handle: TransferHandle, pages: list[int], aux_index: int | None) -> None:
@@ -176,7 +176,7 @@ class ReceiverSide(RemoteEndpoint):
 
     # -- frames --------------------------------------------------------------------------------
 
-    def _on_frame_receiver(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_frame_receiver(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if frame.type == "HELLO_ACK":
             self._on_hello_ack(session, frame, fire)
             return
@@ -226,7 +226,7 @@ class ReceiverSide(RemoteEndpoint):
         else:
             self._claimed.discard(rec)
 
-    def _copy_aux(self, rec: RecvRecord, frame: wire.Frame) -> bool:
+    def _copy_aux(self, rec: RecvRecord, frame: codec.Frame) -> bool:
         """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
 
         A DONE without a blob means the engine wrote the slot (or the room has none).
@@ -255,7 +255,7 @@ class ReceiverSide(RemoteEndpoint):
         if last:
             handle.transfer_done()
 
-    def _on_hello_ack(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_hello_ack(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if session.state is not SessionState.HANDSHAKE:
             self.remote_stats.stale_messages += 1  # a repeat: the handshake is settled
             return

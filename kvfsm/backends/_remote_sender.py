@@ -28,7 +28,7 @@ from typing import Any
 
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll, Role
-from . import wire
+from . import codec, wire
 from ._remote_endpoint import Fire, SeenClaims, peer_reason, pools_from_fields, step
 from ._remote_writer import Chunk, Claim, WriterThread
 from ._sessions import Session, SessionState
@@ -175,7 +175,7 @@ class SenderSide(WriterThread):
 
     # -- HELLO --------------------------------------------------------------------------------
 
-    def _on_hello_sender(self, frame: wire.Frame) -> None:
+    def _on_hello_sender(self, frame: codec.Frame) -> None:
         """A decode's HELLO: answer with a half-open session; its engine peer waits for confirmation.
 
         Nothing of the engine is touched until the decode proves, with its
@@ -471,7 +471,7 @@ class SenderSide(WriterThread):
 
     # -- frames ---------------------------------------------------------------------------------
 
-    def _on_frame_sender(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_frame_sender(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if frame.type == "ROOM":
             self._on_room(session, frame, fire)
         elif frame.type == "ABORT":
@@ -479,7 +479,7 @@ class SenderSide(WriterThread):
         else:
             self.remote_stats.stale_messages += 1
 
-    def _on_room(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_room(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         room, gen, pages, aux = frame["room"], frame["gen"], frame["pages"], frame["aux"]
         key = (room, gen)
         seen = self._seen.get(session.sid)
@@ -576,7 +576,7 @@ class SenderSide(WriterThread):
         if slot.empty:
             self._slots.pop(slot.room, None)
 
-    def _on_abort(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_abort(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         room, gen = frame["room"], frame["gen"]
         key = (room, gen)
         claim = session.records.get(key)

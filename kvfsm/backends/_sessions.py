@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .base import KVPools
+from .memory import KVPools
 
 __all__ = ["Session", "SessionState", "SessionTable"]
 

@@ -30,42 +30,15 @@ import threading
 import time
 from collections.abc import Callable
 
-import attrs
 import zmq
 
 from . import wire
 from ._naps import precise_naps
+from ._transport import ControlStats
 
 __all__ = ["Channel", "ControlPlane", "ControlStats"]
 
 logger = logging.getLogger("kvfsm.backends.control")
-
-
-@attrs.define
-class ControlStats:
-    """Counters of one endpoint's control plane (read them from any thread).
-
-    `dropped` counts frames that never reached a room: malformed ones, other
-    protocol versions, unknown types, oversized ones, and frames whose
-    session id or secret is not one of this endpoint's sessions.
-    """
-
-    received: int = 0
-    sent: int = 0
-    malformed: int = 0
-    bad_version: int = 0
-    unknown_type: int = 0
-    oversized: int = 0
-    unauthenticated: int = 0
-    handler_errors: int = 0
-    send_failures: int = 0
-    heartbeats_sent: int = 0
-    peers_lost: int = 0
-    sessions_evicted: int = 0
-
-    @property
-    def dropped(self) -> int:
-        return self.malformed + self.bad_version + self.unknown_type + self.oversized + self.unauthenticated
 
 
 class Channel:

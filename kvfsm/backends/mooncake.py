@@ -39,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._manager import TransferManager
-from .base import BackendError, MemoryRegion
+from ._errors import BackendError
+from .memory import MemoryRegion
 from .remote import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, RemoteBackend, RemoteConfig, Write
 
 __all__ = ["MooncakeBackend", "MooncakeEngine"]

@@ -41,7 +41,8 @@ import uuid
 from typing import Any
 
 from .._manager import TransferManager
-from .base import BackendError, MemoryRegion
+from ._errors import BackendError
+from .memory import MemoryRegion
 from .remote import EngineAdapter, EngineJob, RemoteBackend, RemoteConfig, Write
 
 __all__ = ["NixlBackend", "NixlEngine"]

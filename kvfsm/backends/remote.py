@@ -11,7 +11,9 @@ states and their tables); the halves that drive it live in
 `_remote_receiver` (decode), `_remote_sender` and `_remote_writer`
 (prefill), on top of `_remote_endpoint` (sessions, frames in and out).
 This module puts them together with their IO: the ZeroMQ transport of
-`kvfsm.backends.control`, its thread, and the prefill's writer thread.
+`kvfsm.backends.control` (imported only when an endpoint starts, so that
+everything else here runs without pyzmq), its thread, and the prefill's
+writer thread.
 
     decode                                    prefill
     bootstrap(h, prefill_addr)
@@ -45,13 +47,13 @@ import threading
 
 from .._manager import TransferHandle, TransferManager
 from .._states import Role
-from . import wire
+from . import codec
+from ._errors import BackendError
 from ._remote_endpoint import Fire, RemoteConfig, RemoteStats, Transport
 from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs
 from ._remote_receiver import ReceiverSide
 from ._remote_sender import SenderSide
 from ._sessions import Session, SessionState, SessionTable
-from .control import ControlPlane
 
 __all__ = [
     "RemoteConfig",
@@ -94,6 +96,14 @@ class RemoteBackend(SenderSide, ReceiverSide):
         self._start_threads()
 
     def _make_transport(self) -> Transport:
+        # Imported here, not at the top: everything above the transport is sans-IO, so the
+        # wire model and the halves run (and their tests collect) without pyzmq.
+        try:
+            from .control import ControlPlane
+        except ModuleNotFoundError as exc:
+            raise BackendError(
+                f"{type(self).__name__} needs pyzmq for its control plane: pip install 'kvfsm[engines]' ({exc})"
+            ) from None
         return ControlPlane(
             on_frames=self.receive,
             on_housekeeping=self.housekeeping,
@@ -104,6 +114,8 @@ class RemoteBackend(SenderSide, ReceiverSide):
         )
 
     def _start_threads(self) -> None:
+        from .control import ControlPlane
+
         assert isinstance(self.transport, ControlPlane)
         self.transport.start()
         if self.role is Role.SENDER:
@@ -129,11 +141,11 @@ class RemoteBackend(SenderSide, ReceiverSide):
         else:
             self._forget_sender(handle)
 
-    def _on_hello(self, frame: wire.Frame) -> None:
+    def _on_hello(self, frame: codec.Frame) -> None:
         # receive() hands HELLO only to the role that takes it (the prefill).
         self._on_hello_sender(frame)
 
-    def _on_frame(self, session: Session, frame: wire.Frame, fire: Fire) -> None:
+    def _on_frame(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if self.role is Role.RECEIVER:
             self._on_frame_receiver(session, frame, fire)
         else:

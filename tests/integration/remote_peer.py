@@ -265,14 +265,14 @@ class _Endpoint:
 
     def send_message(self, addr: str, kind: str, fields: dict[str, Any], copies: int = 1) -> None:
         """A well-formed frame of `kind` from no session of the receiver's (a forged sid and secret)."""
-        from kvfsm.backends import wire
+        from kvfsm.backends import codec
 
-        frames = wire.encode(kind, {"sid": "0" * 16, "key": "f" * 32, **fields})
+        frames = codec.encode(kind, {"sid": "0" * 16, "key": "f" * 32, **fields})
         self.send_raw(addr, frames, copies)
 
     def forge_hellos(self, addr: str, count: int) -> None:
         """`count` HELLOs, each naming another reply address (nothing listens there)."""
-        from kvfsm.backends import wire
+        from kvfsm.backends import codec
 
         fields, blob = self.backend._session_fields()
         for i in range(count):
@@ -285,7 +285,7 @@ class _Endpoint:
                 "session": fields,
                 "mac": None,
             }
-            self.backend.control.send_raw(addr, wire.encode("HELLO", hello, blob))
+            self.backend.control.send_raw(addr, codec.encode("HELLO", hello, blob))
 
     def decode_generation(self, room: Any) -> int:
         """The wire generation of a decode room (to forge frames naming it)."""

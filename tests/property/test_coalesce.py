@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-pytest.importorskip("zmq", reason="kvfsm.backends.remote imports the ZeroMQ control plane")
 
 from kvfsm.backends.remote import coalesce_runs
 

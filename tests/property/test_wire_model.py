@@ -52,7 +52,7 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 
 import kvfsm
 from kvfsm import KVPoll
-from kvfsm.backends import _remote_sender, _remote_writer, wire
+from kvfsm.backends import _remote_sender, _remote_writer, codec
 from tests.wire_sim import AUX_SLOTS, CONFIG, PAGES, SimBackend, World
 
 ROOM_IDS = (1, 2, 3)
@@ -395,8 +395,8 @@ class WireModel(RuleBasedStateMachine):
             old = []
             for addr, frames in world.net.delivered:
                 try:
-                    frame = wire.decode(frames)
-                except wire.MalformedFrame:
+                    frame = codec.decode(frames)
+                except codec.MalformedFrame:
                     continue
                 if "gen" in frame.fields and frame["gen"] in self.closed_gens:
                     old.append((addr, frames))
@@ -440,7 +440,7 @@ class WireModel(RuleBasedStateMachine):
             elif message == "ABORT":
                 fields.update(kind="aborted", message="forged")
         # `endpoint` holds the session; the frame goes *to* it, as if its peer had sent it.
-        return endpoint.address, wire.encode(message, {**auth, **fields})
+        return endpoint.address, codec.encode(message, {**auth, **fields})
 
     def _snapshot(self) -> list[Any]:
         """Every room's state, gate and reason, and every wire record's state on every endpoint."""

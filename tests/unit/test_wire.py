@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfsm.backends import wire
+from kvfsm.backends import codec, wire
 
 AUTH = {"sid": "a" * 16, "key": "b" * 32}
 
@@ -35,8 +35,8 @@ def _room_header(**fields: Any) -> dict[str, Any]:
 
 def test_round_trip_keeps_fields_and_blob() -> None:
     fields = {**AUTH, "room": 7, "gen": 11, "pgen": 3, "nbytes": 64}
-    frame = wire.decode(wire.encode("DONE", fields, b"\x00\x01aux"))
-    assert frame == wire.Frame("DONE", fields, b"\x00\x01aux")
+    frame = codec.decode(codec.encode("DONE", fields, b"\x00\x01aux"))
+    assert frame == codec.Frame("DONE", fields, b"\x00\x01aux")
 
 
 @pytest.mark.parametrize(
@@ -79,31 +79,31 @@ def test_round_trip_keeps_fields_and_blob() -> None:
 def test_invalid_frames_are_refused_with_a_category_and_a_reason(
     frames: list[bytes], category: str, needle: str
 ) -> None:
-    with pytest.raises(wire.MalformedFrame) as info:
-        wire.decode(frames)
+    with pytest.raises(codec.MalformedFrame) as info:
+        codec.decode(frames)
     assert info.value.category == category
     assert needle in str(info.value)
 
 
 def test_encoding_refuses_what_would_not_validate() -> None:
-    with pytest.raises(wire.MalformedFrame, match=r"CHUNK\.nbytes"):
-        wire.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0})
-    with pytest.raises(wire.MalformedFrame, match="no field 'token'"):
-        wire.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0, "nbytes": 1, "token": "x"})
-    with pytest.raises(wire.MalformedFrame, match="unknown message type"):
-        wire.encode("FROB", {})
-    with pytest.raises(wire.MalformedFrame, match="carries no blob"):
-        wire.encode("HEARTBEAT", AUTH, b"x")
+    with pytest.raises(codec.MalformedFrame, match=r"CHUNK\.nbytes"):
+        codec.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0})
+    with pytest.raises(codec.MalformedFrame, match="no field 'token'"):
+        codec.encode("CHUNK", {**AUTH, "room": 1, "gen": 2, "pgen": 0, "nbytes": 1, "token": "x"})
+    with pytest.raises(codec.MalformedFrame, match="unknown message type"):
+        codec.encode("FROB", {})
+    with pytest.raises(codec.MalformedFrame, match="carries no blob"):
+        codec.encode("HEARTBEAT", AUTH, b"x")
 
 
 def test_unchecked_encoding_is_the_same_bytes_and_keeps_the_bounds() -> None:
     fields = {**AUTH, "room": 1, "gen": 2, "pgen": 0, "nbytes": 4096}
-    checked, unchecked = wire.encode("CHUNK", fields), wire.encode("CHUNK", fields, check=False)
-    assert wire.decode(unchecked) == wire.decode(checked)
-    with pytest.raises(wire.MalformedFrame, match="carries no blob"):
-        wire.encode("HEARTBEAT", AUTH, b"x", check=False)
-    with pytest.raises(wire.MalformedFrame, match="at most") as info:
-        wire.encode("DONE", {**fields, "nbytes": 1}, b"x" * (wire.MAX_BLOB_BYTES + 1), check=False)
+    checked, unchecked = codec.encode("CHUNK", fields), codec.encode("CHUNK", fields, check=False)
+    assert codec.decode(unchecked) == codec.decode(checked)
+    with pytest.raises(codec.MalformedFrame, match="carries no blob"):
+        codec.encode("HEARTBEAT", AUTH, b"x", check=False)
+    with pytest.raises(codec.MalformedFrame, match="at most") as info:
+        codec.encode("DONE", {**fields, "nbytes": 1}, b"x" * (wire.MAX_BLOB_BYTES + 1), check=False)
     assert info.value.category == "oversized"
 
 
@@ -111,8 +111,8 @@ def test_unchecked_encoding_is_the_same_bytes_and_keeps_the_bounds() -> None:
 def test_random_bytes_are_only_ever_counted_drops(frames: list[bytes]) -> None:
     category = None
     try:
-        wire.decode(frames)
-    except wire.MalformedFrame as exc:  # anything else propagates and fails the test
+        codec.decode(frames)
+    except codec.MalformedFrame as exc:  # anything else propagates and fails the test
         category = exc.category
     assert category in {None, "malformed", "bad_version", "unknown_type", "oversized"}
 
@@ -142,8 +142,8 @@ def test_structured_garbage_is_only_ever_counted_drops(kind: str, fields: dict[s
     frames = _frames({"type": kind, **fields}, blob)
     category = frame = None
     try:
-        frame = wire.decode(frames)
-    except wire.MalformedFrame as exc:  # anything else propagates and fails the test
+        frame = codec.decode(frames)
+    except codec.MalformedFrame as exc:  # anything else propagates and fails the test
         category = exc.category
     if frame is None:
         assert category in {"malformed", "unknown_type"}
@@ -187,13 +187,13 @@ def test_a_table_refuses_two_rows_for_one_state_and_input() -> None:
 def test_the_handshake_mac_covers_every_field_and_the_blob() -> None:
     key = b"k" * 32
     fields = {"addr": "tcp://127.0.0.1:1", "reply_sid": "s", "reply_key": "t", "mac": None}
-    mac = wire.handshake_mac(key, "HELLO", fields, b"meta")
+    mac = codec.handshake_mac(key, "HELLO", fields, b"meta")
     assert len(mac) == 64
-    assert wire.handshake_mac(key, "HELLO", {**fields, "mac": "ignored"}, b"meta") == mac
-    assert wire.handshake_mac(key, "HELLO", {**fields, "addr": "tcp://127.0.0.1:2"}, b"meta") != mac
-    assert wire.handshake_mac(key, "HELLO", fields, b"other") != mac
-    assert wire.handshake_mac(b"x" * 32, "HELLO", fields, b"meta") != mac
-    assert wire.handshake_mac(key, "HELLO_ACK", fields, b"meta") != mac
+    assert codec.handshake_mac(key, "HELLO", {**fields, "mac": "ignored"}, b"meta") == mac
+    assert codec.handshake_mac(key, "HELLO", {**fields, "addr": "tcp://127.0.0.1:2"}, b"meta") != mac
+    assert codec.handshake_mac(key, "HELLO", fields, b"other") != mac
+    assert codec.handshake_mac(b"x" * 32, "HELLO", fields, b"meta") != mac
+    assert codec.handshake_mac(key, "HELLO_ACK", fields, b"meta") != mac
 
 
 def test_mermaid_draws_every_row() -> None:

@@ -21,7 +21,7 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 
 import kvfsm
 from kvfsm import FailureKind, KVPoll
-from kvfsm.backends import wire
+from kvfsm.backends import codec
 from kvfsm.backends.remote import RemoteConfig
 from tests.wire_sim import CONFIG, SimBackend, World
 
@@ -150,8 +150,8 @@ def test_a_frame_from_no_session_changes_nothing(world: World, kind: str) -> Non
     fields = by_kind[kind]
     session = world.decodes[0].sessions.up()[0]
     for key in ("f" * 32, "0" * 32):  # a wrong secret for the real session id, then another
-        world.decodes[0].receive(wire.encode(kind, {"sid": session.sid, "key": key, **fields}))
-    world.decodes[0].receive(wire.encode(kind, {"sid": "1" * 16, "key": session.key, **fields}))
+        world.decodes[0].receive(codec.encode(kind, {"sid": session.sid, "key": key, **fields}))
+    world.decodes[0].receive(codec.encode(kind, {"sid": "1" * 16, "key": session.key, **fields}))
     for _ in range(40):  # 20 s, past the 10 s window: a forged BYE or HEARTBEAT changes nothing
         world.clock.advance(0.5)
         world.housekeeping()
@@ -185,7 +185,7 @@ def test_hellos_naming_other_addresses_are_bounded_and_touch_no_engine(world: Wo
             "session": fields,
             "mac": None,
         }
-        world.prefill.receive(wire.encode("HELLO", hello, blob))
+        world.prefill.receive(codec.encode("HELLO", hello, blob))
     assert len(world.prefill.sessions) <= CONFIG.max_half_open
     assert world.prefill.transport.stats.sessions_evicted == 200 - CONFIG.max_half_open
     assert added == [], "an unconfirmed session reached the engine"

@@ -53,7 +53,8 @@ from ..._errors import ConfigError
 from ..._manager import TransferManager
 from ..._observe import StateChange
 from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
-from ...backends.base import BackendError, KVPools, MemoryRegion
+from ...backends._errors import BackendError
+from ...backends.memory import KVPools, MemoryRegion
 from ...backends.mooncake import MooncakeBackend
 from ...backends.remote import RemoteConfig
 from ._bootstrap import LAYOUT_FIELDS, KVBootstrapServer, fetch_prefill_ranks, register_prefill_rank
