@@ -65,10 +65,6 @@ class PhaseDeadlines(Generic[R]):
         #: `due` then recomputes it). `inf` when nothing is armed.
         self.next_due = math.inf
 
-    def limit(self, state: KVPoll) -> float | None:
-        """The timeout of `state`'s phase, or None."""
-        return self._limits[state]
-
     def arm(self, room: R, state: KVPoll, now: float) -> None:
         """`room` just entered `state` at `now`."""
         queue = self._queues[state]

@@ -103,7 +103,7 @@ class RemoteBackend(SenderSide, ReceiverSide):
         except ModuleNotFoundError as exc:
             raise BackendError(
                 f"{type(self).__name__} needs pyzmq for its control plane: pip install 'kvfsm[engines]' ({exc})"
-            ) from None
+            ) from exc  # the cause names the module, for whoever reports missing dependencies
         return ControlPlane(
             on_frames=self.receive,
             on_housekeeping=self.housekeeping,

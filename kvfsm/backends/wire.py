@@ -381,10 +381,6 @@ class WireTable:
         """The row `input` takes in `state` (None: a new record), or None when not allowed there."""
         return self.index.get((state, input))
 
-    def inputs(self) -> tuple[str, ...]:
-        """Every input the table knows, in declaration order."""
-        return tuple(dict.fromkeys(row.input for row in self.rows))
-
 
 _D = DecodeWire
 DECODE_TABLE = WireTable(

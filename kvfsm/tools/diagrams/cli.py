@@ -157,6 +157,7 @@ def _infer_subject(args: argparse.Namespace, fmt: str) -> None:
         return
     args.wire = wire_of(args.check, fmt)
     if args.wire is None:
+        render(Role.SENDER, fmt)  # a format the lifecycle cannot be drawn in here says what to install
         titles = [f"kvfsm {each.value} lifecycle" for each in Role] + [wire_title(name) for name in WIRE_TABLES]
         raise UsageError(
             f"--check {args.check}: cannot tell whose diagram the file holds (its title names none of "

@@ -28,6 +28,7 @@ from .formats import (
     FORMATS,
     START_NODE,
     TEXT_FORMATS,
+    GraphvizMissing,
     format_for_path,
     require_dot_program,
     require_graphviz_package,
@@ -205,7 +206,10 @@ def role_of(path: str | Path, fmt: str | None = None) -> Role | None:
 
     Read from the title every rendering carries (`kvfsm receiver lifecycle`);
     a file without a readable title (png) is matched against each role's
-    rendering. None when the file is missing or matches neither role.
+    rendering. None when the file is missing, matches neither role, or is in
+    a format this machine cannot render the lifecycle in (a png of a wire
+    table needs only graphviz's `dot` program, a lifecycle png also the
+    Python package).
     """
     path = Path(path)
     try:
@@ -216,5 +220,8 @@ def role_of(path: str | Path, fmt: str | None = None) -> Role | None:
     if len(named) == 1:
         return named[0]
     fmt = fmt or format_for_path(path) or "mermaid"
-    matching = [role for role in Role if render(role, fmt) == data]
+    try:
+        matching = [role for role in Role if render(role, fmt) == data]
+    except GraphvizMissing:
+        return None
     return matching[0] if len(matching) == 1 else None
