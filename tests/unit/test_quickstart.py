@@ -51,5 +51,5 @@ def test_ci_runs_the_quick_start_before_it_installs_anything() -> None:
     ],
 )
 def test_a_readme_without_two_quick_start_blocks_is_refused(readme: str) -> None:
-    with pytest.raises(ValueError, match="Quick start|two sh blocks"):
+    with pytest.raises(ValueError, match=r"Quick start|two sh blocks"):
         _reader().quickstart_commands(readme)
