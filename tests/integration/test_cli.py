@@ -119,7 +119,7 @@ def test_a_missing_engine_is_one_line_naming_what_to_install(
     assert module in needed
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        simulate_remote.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *rest: None if name == module else (real("json") if name in needed else real(name, *rest)),
     )
