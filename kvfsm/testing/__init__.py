@@ -59,6 +59,7 @@ from .strategies import (
     expected_state,
     failure_reasons,
     faults,
+    happy_events,
     room_ids,
     timeouts,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "faults",
     "timeouts",
     "expected_state",
+    "happy_events",
     "BackendPair",
     "LifecycleConformance",
     "BackendConformance",

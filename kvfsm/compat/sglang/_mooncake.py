@@ -50,9 +50,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._errors import ConfigError
+from ..._lifecycle import Timeouts
 from ..._manager import TransferManager
 from ..._observe import StateChange
-from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
+from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
 from ...backends._errors import BackendError
 from ...backends.memory import KVPools, MemoryRegion
 from ...backends.mooncake import MooncakeBackend

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from ..._errors import ConfigError
-from ..._states import Timeouts
+from ..._lifecycle import Timeouts
 
 __all__ = ["ConnectorConfig", "DEFAULT_PORT"]
 
