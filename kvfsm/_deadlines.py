@@ -56,7 +56,7 @@ R = TypeVar("R", bound=_Timed)
 class PhaseDeadlines(Generic[R]):
     """The armed deadlines of every live room, one FIFO per phase."""
 
-    __slots__ = ("_drain", "_drain_limit", "_limits", "_live", "_queues", "next_due")
+    __slots__ = ("_drain_limit", "_drain_queue", "_limits", "_live", "_queues", "next_due")
 
     def __init__(self, timeouts: PhaseTimeouts, lifecycle: Lifecycle = KV_LIFECYCLE) -> None:
         size = len(lifecycle.State)
@@ -75,7 +75,7 @@ class PhaseDeadlines(Generic[R]):
         drain = timeouts.drain
         self._drain_limit: float | None = None if drain is None else float(drain)
         # Failed rooms whose pages are draining, by record, oldest failure first.
-        self._drain: OrderedDict[R, None] = OrderedDict()
+        self._drain_queue: OrderedDict[R, None] = OrderedDict()
         #: Earliest armed deadline (may be early after a room left its phase;
         #: `due` then recomputes it). `inf` when nothing is armed.
         self.next_due = math.inf
@@ -102,14 +102,14 @@ class PhaseDeadlines(Generic[R]):
     def arm_drain(self, room: R, now: float) -> None:
         """`room` failed at `now`: its pages wait for proof until the drain deadline."""
         if self._drain_limit is not None:
-            self._drain[room] = None
+            self._drain_queue[room] = None
             due = now + self._drain_limit
             if due < self.next_due:
                 self.next_due = due
 
     def disarm_drain(self, room: R) -> None:
         """`room`'s pages left draining (a proof came, or the deadline was handled)."""
-        self._drain.pop(room, None)
+        self._drain_queue.pop(room, None)
 
     def drain_due(self, now: float) -> list[R]:
         """Failed rooms whose drain deadline is at or before `now`, oldest first (left armed)."""
@@ -117,7 +117,7 @@ class PhaseDeadlines(Generic[R]):
         expired: list[R] = []
         if limit is None:
             return expired
-        for room in self._drain:
+        for room in self._drain_queue:
             if room.finished_at is not None and room.finished_at + limit > now:
                 break
             expired.append(room)
@@ -129,7 +129,7 @@ class PhaseDeadlines(Generic[R]):
 
     def draining(self) -> int:
         """Rooms whose pages wait for proof with a drain deadline armed."""
-        return len(self._drain)
+        return len(self._drain_queue)
 
     def due(self, now: float) -> list[tuple[R, State, float]]:
         """Rooms whose deadline is at or before `now`, oldest first per phase.
@@ -161,8 +161,8 @@ class PhaseDeadlines(Generic[R]):
                 due = head.entered_at + self._limits[state]  # type: ignore[operator]
                 if due < earliest:
                     earliest = due
-        if self._drain:
-            failed = next(iter(self._drain)).finished_at
+        if self._drain_queue:
+            failed = next(iter(self._drain_queue)).finished_at
             if failed is not None and failed + self._drain_limit < earliest:  # type: ignore[operator]
                 earliest = failed + self._drain_limit  # type: ignore[operator]
         self.next_due = earliest
@@ -171,7 +171,7 @@ class PhaseDeadlines(Generic[R]):
 
     def inline_names(self) -> dict[str, Any]:
         """The objects `inline_arm`/`inline_disarm` code refers to, by name."""
-        names: dict[str, Any] = {"deadlines": self, "drain_queue": self._drain, "drain_limit": self._drain_limit}
+        names: dict[str, Any] = {"deadlines": self, "drain_queue": self._drain_queue, "drain_limit": self._drain_limit}
         for state in self._live:
             queue = self._queues[state]
             if queue is not None:

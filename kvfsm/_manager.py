@@ -518,6 +518,8 @@ class TransferManager:
         after `clear()`) gets the release gate's answer, not "unknown".
         """
         _check_room_id(room)
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()  # a drain deadline due quarantines (or, opted in, releases) first
         if room in self._held:
             return True
         handle = self._rooms.get(room)
@@ -525,6 +527,8 @@ class TransferManager:
 
     def quarantined(self) -> list[TransferHandle]:
         """The rooms (open or closed) whose pages are quarantined now, oldest failure first."""
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()
         with self._lock:
             found = [h for h in self._rooms.values() if h.pages_state is _QUARANTINED]
             found += [h for held in self._held.values() for h in held if h.pages_state is _QUARANTINED]
@@ -543,6 +547,8 @@ class TransferManager:
             raise TypeError(f"release_quarantined({room!r}, why) needs a non-empty str saying why; got {why!r}")
         released: list[TransferHandle] = []
         notices = self._outbox
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()
         with self._lock:
             candidates = [*self._held.get(room, ())]
             live = self._rooms.get(room)
