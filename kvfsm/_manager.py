@@ -936,8 +936,9 @@ class TransferManager:
             self._apply(handle, self._rows["timeout"][state], now, reason, notices)  # type: ignore[arg-type]
             expired.append((handle, "timeout"))  # type: ignore[arg-type]
         for handle in deadlines.drain_due(now):
-            self._pages(handle, self._drain_input, now, notices)  # type: ignore[arg-type]
-            expired.append((handle, self._drain_input))  # type: ignore[arg-type]
+            if handle.pages_state is _DRAINING:  # else a proof came first
+                self._pages(handle, self._drain_input, now, notices)  # type: ignore[arg-type]
+                expired.append((handle, self._drain_input))  # type: ignore[arg-type]
         deadlines.refresh()
 
     def _pages(self, handle: TransferHandle, input: str, now: float, notices: deque[StateChange]) -> bool:

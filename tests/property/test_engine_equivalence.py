@@ -263,7 +263,7 @@ class Run:
             attrs.asdict(m.stats),
             m.counts(),
             [list(q) if q is not None else None for q in deadlines._queues],
-            [(h.room, getattr(h, "generation")) for h in deadlines._drain_queue],  # noqa: B009 - a RoomRecord is a handle here
+            [(h.room, getattr(h, "generation"), h.pages_state) for h in deadlines._drain_queue],  # noqa: B009
             deadlines.next_due,
             handles,
             sorted((room, [h.generation for h in held]) for room, held in m._held.items()),
