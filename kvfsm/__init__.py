@@ -1,8 +1,9 @@
 """kvfsm: the lifecycle layer for KV-cache transfers in disaggregated LLM serving.
 
 Each transfer ("room") runs through an explicit state machine declared once
+as a value (`kvfsm.Lifecycle`; `kvfsm.KV_LIFECYCLE` by default) and built
 with `transitions`: Bootstrapping -> WaitingForInput -> Transferring ->
-Success, or Failed from anywhere. Backends only emit events on a room's
+Success, or Failed from anywhere. `kvfsm.lifecycles` ships more. Backends only emit events on a room's
 handle; the machine's hooks alone write the status table the scheduler
 reads; abort is a guarded transition valid from every non-terminal state.
 
@@ -31,25 +32,38 @@ from ._errors import (
     InvalidTransition,
     KVFSMError,
     KVTransferError,
+    NotQuarantined,
     RoomNotFailed,
     UnknownRoom,
 )
+from ._lifecycle import (
+    KV_LIFECYCLE,
+    NON_TERMINAL,
+    TERMINAL,
+    EventArg,
+    EventSpec,
+    Lifecycle,
+    LifecycleError,
+    PhaseTimeouts,
+    StateSpec,
+    Timeouts,
+    TransitionSpec,
+)
 from ._manager import TransferHandle, TransferManager
 from ._observe import Observer, StateChange
+from ._release import PagesState
+from ._rows import Row, Table
 from ._states import (
     MAX_REASON_CHARS,
     MAX_ROOM_ID_CHARS,
-    NON_TERMINAL,
-    TERMINAL,
     FailureKind,
     FailureReason,
     KVPoll,
     Role,
     RoomId,
-    Timeouts,
 )
 from ._status import ManagerStats
-from ._table import EVENTS, TRANSITIONS, TransitionSpec
+from ._table import EVENTS, TRANSITIONS
 
 __version__ = "0.1.0"
 
@@ -72,6 +86,17 @@ __all__ = [
     "TransitionSpec",
     "TRANSITIONS",
     "EVENTS",
+    "Lifecycle",
+    "KV_LIFECYCLE",
+    "StateSpec",
+    "EventSpec",
+    "EventArg",
+    "PhaseTimeouts",
+    "LifecycleError",
+    "PagesState",
+    "NotQuarantined",
+    "Row",
+    "Table",
     "KVFSMError",
     "ConfigError",
     "KVTransferError",

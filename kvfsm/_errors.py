@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ._root_errors import ConfigError, KVFSMError
-from ._states import FailureReason, KVPoll, RoomId
+from ._states import FailureReason, RoomId, State
 
 __all__ = [
     "KVFSMError",
@@ -22,6 +22,7 @@ __all__ = [
     "UnknownRoom",
     "RoomNotFailed",
     "InvalidRoomId",
+    "NotQuarantined",
 ]
 
 
@@ -47,7 +48,7 @@ class KVTransferError(KVFSMError, RuntimeError):
 class InvalidTransition(KVFSMError, RuntimeError):
     """Strict mode: an event arrived that the room's current state does not accept."""
 
-    def __init__(self, room: RoomId, state: KVPoll, event: str, allowed: Iterable[str]) -> None:
+    def __init__(self, room: RoomId, state: State, event: str, allowed: Iterable[str]) -> None:
         self.room = room
         self.state = state
         self.event = event
@@ -64,7 +65,7 @@ class InvalidTransition(KVFSMError, RuntimeError):
 class DuplicateRoom(KVFSMError, ValueError):
     """`open()` was called for a room that is already open."""
 
-    def __init__(self, room: RoomId, state: KVPoll, generation: int) -> None:
+    def __init__(self, room: RoomId, state: State, generation: int) -> None:
         self.room = room
         self.state = state
         self.generation = generation
@@ -93,7 +94,7 @@ class UnknownRoom(KVFSMError, KeyError):
 class RoomNotFailed(KVFSMError, RuntimeError):
     """`failure_exception()` was asked of a room that has not failed."""
 
-    def __init__(self, room: RoomId, state: KVPoll) -> None:
+    def __init__(self, room: RoomId, state: State) -> None:
         self.room = room
         self.state = state
         super().__init__(room, state)
@@ -120,3 +121,15 @@ class InvalidRoomId(KVFSMError, TypeError, ValueError):
         if len(shown) > 80:
             shown = f"{shown[:60]}... ({len(shown)} characters)"
         return f"room must be {self.expected}; got {type(self.room).__name__}: {shown}"
+
+
+class NotQuarantined(KVFSMError, ValueError):
+    """`release_quarantined(room, why)` named a room no generation of which has quarantined pages."""
+
+    def __init__(self, room: RoomId, pages: str) -> None:
+        self.room = room
+        self.pages = pages
+        super().__init__(room, pages)
+
+    def __str__(self) -> str:
+        return f"room {self.room!r} has no quarantined pages to release (expected quarantined; got {self.pages})"

@@ -20,7 +20,11 @@ property test checks against the `transitions` engine.
 
 The rows come from the compiled machine, never from the table directly:
 which states accept which event, and what each step does, is read from the
-`transitions` machine the table was declared into.
+`transitions` machine the lifecycle was declared into. The methods
+themselves are generated from the lifecycle's event specs (`_signature`:
+parameters, the guard that lets arguments through unchecked, the progress
+an internal event records), the same specs the generic methods of the
+handle base are made from (`_manager.handle_base`): one list of events.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from ._lifecycle import NO_DEFAULT, EventSpec
 from ._machine import CompiledEngine, compile_source, indent
-from ._states import MAX_REASON_CHARS, FailureKind, FailureReason, KVPoll, Role, bounded_message
+from ._states import MAX_REASON_CHARS, FailureKind, FailureReason, Role, State, bounded_message
+from ._status import state_name
 
-__all__ = ["handle_class", "new_reason", "FastPathHost"]
+__all__ = ["handle_class", "new_reason", "FastPathHost", "progress_lines", "signature"]
 
 
 class FastPathHost(Protocol):
@@ -64,7 +70,7 @@ _set_state = _FIELDS["state"].__set__
 _set_from_peer = _FIELDS["from_peer"].__set__
 
 
-def new_reason(kind: FailureKind, message: str, state: KVPoll | None, from_peer: bool = False) -> FailureReason:
+def new_reason(kind: FailureKind, message: str, state: State | None, from_peer: bool = False) -> FailureReason:
     """A `FailureReason` from fields already known valid, without attrs' validators.
 
     Half the cost of the validating constructor; only for values the
@@ -91,13 +97,8 @@ class _Signature:
 
 
 _PLAIN = _Signature("", "", None, (), ())
-_SIGNATURES: dict[str, _Signature] = {
-    "bootstrapped": _PLAIN,
-    "transfer_started": _PLAIN,
-    "transfer_done": _PLAIN,
-    "chunk_done": _Signature(
-        ", nbytes, last=False", ", nbytes, last", "nbytes.__class__ is int and nbytes >= 0", (), ()
-    ),
+#: The methods every lifecycle's handle has: abort and fail (timeout is the manager's).
+_FREE: dict[str, _Signature] = {
     "abort": _Signature(
         ', reason="aborted"',
         ", reason",
@@ -124,12 +125,37 @@ _SIGNATURES: dict[str, _Signature] = {
     ),
 }
 
+
+def signature(spec: EventSpec) -> _Signature:
+    """How the handle method of a declared event takes its arguments (from its `EventArg`s)."""
+    if not spec.args:
+        return _PLAIN
+    params = "".join(f", {a.name}" + ("" if a.default is NO_DEFAULT else f"={a.default!r}") for a in spec.args)
+    args = "".join(f", {a.name}" for a in spec.args)
+    guards = [
+        f"{a.name}.__class__ is {a.kind.__name__}" + ("" if a.minimum is None else f" and {a.name} >= {a.minimum}")
+        for a in spec.args
+        if a.kind is not bool  # a bool is taken for its truth, as the generic method does
+    ]
+    return _Signature(params, args, " and ".join(guards) or None, (), ())
+
+
+def progress_lines(spec: EventSpec) -> tuple[str, ...]:
+    """What an internal event records on its room: bytes, a chunk, the last chunk's time."""
+    names = {a.name for a in spec.args}
+    lines = ["room.nbytes += nbytes"] if "nbytes" in names else []
+    lines.append("room.chunks += 1")
+    if "last" in names:
+        lines += ["if last:", "    room.last_chunk_at = now"]
+    return tuple(lines)
+
+
 #: Distinct abort messages remembered per state: `FailureReason` is frozen,
 #: so rooms aborted with the same text in the same state share one.
 ABORT_REASONS_KEPT = 256
 
 
-def abort_reason(cache: dict[str, FailureReason], message: str, state: KVPoll) -> FailureReason:
+def abort_reason(cache: dict[str, FailureReason], message: str, state: State) -> FailureReason:
     """The reason of an abort with `message` in `state`, shared while the cache has room."""
     reason = new_reason(FailureKind.ABORTED, message, state)
     if len(cache) < ABORT_REASONS_KEPT:
@@ -137,12 +163,18 @@ def abort_reason(cache: dict[str, FailureReason], message: str, state: KVPoll) -
     return reason
 
 
-#: Progress of an internal step (chunk_done): counted on the handle, no hook.
-PROGRESS_LINES = ("room.nbytes += nbytes", "room.chunks += 1", "if last:", "    room.last_chunk_at = now")
+def _signatures(engine: CompiledEngine) -> dict[str, tuple[_Signature, tuple[str, ...]]]:
+    """Every handle event method of the engine's lifecycle: its signature and (internal events) its progress."""
+    lifecycle = engine.lifecycle
+    out: dict[str, tuple[_Signature, tuple[str, ...]]] = {}
+    for name, spec in lifecycle.event_specs.items():
+        out[name] = (signature(spec), progress_lines(spec) if spec.internal else ())
+    for name, sig in _FREE.items():
+        out[name] = (sig, ())
+    return out
 
 
-def _method_source(event: str, engine: CompiledEngine) -> list[str]:
-    sig = _SIGNATURES[event]
+def _method_source(event: str, engine: CompiledEngine, sig: _Signature, progress: tuple[str, ...]) -> list[str]:
     lines = [f"def {event}(room{sig.params}):"]
     if sig.guard is not None:
         lines += [f"    if not ({sig.guard}):", f"        return generic_{event}(room{sig.args})"]
@@ -158,10 +190,11 @@ def _method_source(event: str, engine: CompiledEngine) -> list[str]:
     for step in engine.rows[event]:
         if step is None:
             continue
-        body = [line.format(index=step.source.value, state=step.source.name) for line in sig.before]
-        body += PROGRESS_LINES if step.dest is None else step.lines
+        source = state_name(step.source)
+        body = [line.format(index=step.source.value, state=source) for line in sig.before]
+        body += progress if step.dest is None else step.lines
         lines += [
-            f"            {keyword} state is {step.source.name}:",
+            f"            {keyword} state is {source}:",
             *indent(body, 4),
             "                applied = True",
         ]
@@ -175,7 +208,7 @@ def handle_class(base: H, manager: FastPathHost, engine: CompiledEngine) -> H:
     """A subclass of `base` whose event methods run `engine`'s steps inline."""
     namespace: dict[str, Any] = engine.namespace
     logger = logging.getLogger("kvfsm")
-    for state in KVPoll:
+    for state in engine.lifecycle.State:
         namespace[f"abort_reasons_{state.value}"] = {}
     namespace.update(
         acquire=manager._lock.acquire,
@@ -194,12 +227,13 @@ def handle_class(base: H, manager: FastPathHost, engine: CompiledEngine) -> H:
         log_failure=manager._log_failure,
     )
     source: list[str] = []
-    for event in _SIGNATURES:
+    signatures = _signatures(engine)
+    for event, (sig, progress) in signatures.items():
         namespace[f"generic_{event}"] = getattr(base, event)
-        source += _method_source(event, engine)
+        source += _method_source(event, engine, sig, progress)
     text = "\n".join(source) + "\n"
     exec(compile_source(text, f"<kvfsm fast path of {engine.machine.name}>"), namespace)
-    methods = {event: namespace[event] for event in _SIGNATURES}
+    methods = {event: namespace[event] for event in signatures}
     for event, method in methods.items():
         method.__doc__ = getattr(base, event).__doc__
         method.__qualname__ = f"{base.__name__}.{event}"

@@ -1,27 +1,30 @@
-"""Builds the `transitions` machine from the table, and the engines that run it.
+"""Builds the `transitions` machine from a lifecycle, and the engines that run it.
 
-The declaration in `_table.py` becomes one `transitions.Machine` per role,
-with the hooks of `_status.py` as its on-enter/on-exit callbacks. That
-machine is the source of truth: diagrams are drawn from it and the
-dispatch table below is compiled from it, never from the table directly.
+A `Lifecycle` (`_lifecycle.py`) becomes one `transitions.Machine` per role
+and lifecycle, with the hooks of `_status.py` as its on-enter/on-exit
+callbacks (which hook runs on which state is derived from each state's
+declaration, `_status.hooks_for`). That machine is the source of truth:
+diagrams are drawn from it and the dispatch rows below are read from it,
+never from the declaration directly.
 
 Rooms are never registered with the machine (`add_model` is O(n) and
 attaches ~20 methods to every model) and no machine is built per room
-(~133 µs each). Two engines run the same machine on unregistered records:
+(~133 µs each). Two engines run the same machine on unregistered records,
+over the same dispatch rows (`Engine`, their base: one list per event
+indexed by state value, each cell a `Step` with the exit hooks, the
+destination and the entry hooks):
 
-* `CompiledEngine` (the default) reads the machine's events once into a
-  list per event indexed by `KVPoll` value: each cell is a `Step` holding
-  the exit hooks, the destination and the entry hooks. For each step it
-  generates one function from the hooks' source lines (see
-  `_status.status_hook`), specialised for one manager's table: exit hooks, the
-  state change and entry hooks in the order `transitions` runs them, with
-  no call per hook and no lookup of the table. The manager pastes the same
-  lines into its handles' event methods (`_fastpath.py`).
+* `CompiledEngine` (the default, for every lifecycle) generates one
+  function per step from the hooks' source lines (see
+  `_status.status_hook`), specialised for one manager's table: exit hooks,
+  the state change and entry hooks in the order `transitions` runs them,
+  with no call per hook and no lookup of the table. The manager pastes
+  the same lines into its handles' event methods (`_fastpath.py`).
 * `TransitionsEngine` calls `machine.events[name].trigger(record, ...)`:
-  `transitions` itself runs the callbacks. It exists as the reference the
-  compiled engine is proven equal to (see tests/property), and as a
-  fallback should someone extend the machine with features the compiler
-  refuses (conditions, prepare/after callbacks).
+  `transitions` itself runs the callbacks, and nothing is generated. It
+  exists as the reference the compiled engine is proven equal to (see
+  tests/property), and as a fallback should someone extend the machine
+  with features the compiler refuses (conditions, prepare/after callbacks).
 
 Both pass `(record, now, reason)` as the trigger arguments, so the hooks see
 identical calls whichever engine runs them.
@@ -38,15 +41,16 @@ from transitions import Machine
 from transitions.core import EventData
 
 from . import _status
-from ._states import NON_TERMINAL, FailureReason, KVPoll, Role
-from ._status import Hook, RoomRecord, StatusTable, inline_lines
-from ._table import EVENTS, INITIAL, TRANSITIONS
+from ._lifecycle import KV_LIFECYCLE, Lifecycle
+from ._states import FailureReason, Role, State
+from ._status import Hook, RoomRecord, StatusTable, inline_lines, state_name
 
 __all__ = [
     "build_machine",
     "lifecycle_machine",
     "Step",
     "StepRun",
+    "Engine",
     "CompiledEngine",
     "TransitionsEngine",
     "ENGINES",
@@ -57,58 +61,58 @@ __all__ = [
 #: A compiled step: (room, now, reason) -> None, the hooks of one transition.
 StepRun = Callable[[RoomRecord, float, FailureReason | None], None]
 
-_ENTER_HOOKS: dict[KVPoll, tuple[Hook, ...]] = {
-    KVPoll.Bootstrapping: (_status.enter_phase,),
-    KVPoll.WaitingForInput: (_status.enter_phase,),
-    KVPoll.Transferring: (_status.enter_transferring,),
-    KVPoll.Success: (_status.enter_success,),
-    KVPoll.Failed: (_status.enter_failed,),
-}
-_EXIT_HOOKS: dict[KVPoll, tuple[Hook, ...]] = {state: (_status.exit_phase,) for state in NON_TERMINAL}
 
-
-def build_machine(role: Role | str, *, machine_cls: type[Machine] = Machine, **options: Any) -> Machine:
-    """A fresh `transitions` machine of the lifecycle for `role`.
+def build_machine(
+    role: Role | str,
+    *,
+    lifecycle: Lifecycle = KV_LIFECYCLE,
+    machine_cls: type[Machine] = Machine,
+    **options: Any,
+) -> Machine:
+    """A fresh `transitions` machine of `lifecycle` for `role`.
 
     `machine_cls` lets the diagram code build a `GraphMachine` from the very
     same declaration; `options` are passed through (e.g. `graph_engine`).
     Auto transitions are always off: `to_Success()` would bypass every rule.
     """
     role = Role.coerce(role)
+    if not isinstance(lifecycle, Lifecycle):
+        raise TypeError(f"lifecycle must be a kvfsm.Lifecycle; got {type(lifecycle).__name__}: {lifecycle!r}")
     # Fresh dicts each time: transitions writes into the dicts it is given.
-    states = [
-        {
-            "name": state,
-            "on_enter": list(_ENTER_HOOKS[state]),
-            "on_exit": list(_EXIT_HOOKS.get(state, ())),
-        }
-        for state in KVPoll
-    ]
+    states = []
+    for state in lifecycle.State:
+        enter, exit_ = _status.hooks_for(lifecycle, state)
+        states.append({"name": state, "on_enter": list(enter), "on_exit": list(exit_)})
     transitions = [
         {
             "trigger": spec.event,
             "source": list(spec.sources),
             "dest": spec.dest,
-            "before": [_status.record_failure] if spec.dest is KVPoll.Failed else [],
+            "before": [_status.record_failure] if spec.dest is lifecycle.failure else [],
         }
-        for spec in TRANSITIONS
+        for spec in lifecycle.transitions
     ]
+    suffix = "" if lifecycle is KV_LIFECYCLE else f"-{lifecycle.name}"
     return machine_cls(
         model=None,
         states=states,
         transitions=transitions,
-        initial=INITIAL,
+        initial=lifecycle.initial,
         auto_transitions=False,
         send_event=False,
-        name=f"kvfsm-{role.value}",
+        name=f"kvfsm-{role.value}{suffix}",
         **options,
     )
 
 
 @functools.cache
-def lifecycle_machine(role: Role) -> Machine:
-    """The shared machine of `role`: built once, used by every room of every manager."""
-    return build_machine(role)
+def _shared_machine(role: Role, lifecycle: Lifecycle) -> Machine:
+    return build_machine(role, lifecycle=lifecycle)
+
+
+def lifecycle_machine(role: Role | str, lifecycle: Lifecycle = KV_LIFECYCLE) -> Machine:
+    """The shared machine of `role` and `lifecycle`: built once, used by every room of every manager."""
+    return _shared_machine(Role.coerce(role), lifecycle)
 
 
 class Step:
@@ -124,8 +128,8 @@ class Step:
     def __init__(
         self,
         event: str,
-        source: KVPoll,
-        dest: KVPoll | None,
+        source: State,
+        dest: State | None,
         exit_hooks: tuple[Hook, ...],
         enter_hooks: tuple[Hook, ...],
         before_hooks: tuple[Hook, ...] = (),
@@ -156,11 +160,12 @@ def _hooks(callbacks: list[Any]) -> tuple[Hook, ...]:
     return tuple(callbacks)
 
 
-def _compile(machine: Machine) -> dict[str, list[Step | None]]:
+def _compile(machine: Machine, lifecycle: Lifecycle) -> dict[str, list[Step | None]]:
     """Read the machine's events into rows indexed by source state value."""
+    State = lifecycle.State
     rows: dict[str, list[Step | None]] = {}
     for name, event in machine.events.items():
-        row: list[Step | None] = [None] * len(KVPoll)
+        row: list[Step | None] = [None] * len(State)
         for source_name, candidates in event.transitions.items():
             transition = candidates[0]
             if (
@@ -175,11 +180,11 @@ def _compile(machine: Machine) -> dict[str, list[Step | None]]:
                     f"the compiled engine runs unconditional transitions only; event {name!r} from "
                     f"{source_name} has guards, prepare or after callbacks: use engine='transitions'"
                 )
-            source = KVPoll[source_name]
+            source = State[source_name]
             if transition.dest is None:
                 row[source] = Step(name, source, None, (), ())
             else:
-                dest = KVPoll[transition.dest]
+                dest = State[transition.dest]
                 row[source] = Step(
                     name,
                     source,
@@ -189,7 +194,7 @@ def _compile(machine: Machine) -> dict[str, list[Step | None]]:
                     _hooks(transition.before),
                 )
         rows[name] = row
-    missing = set(EVENTS) - rows.keys()
+    missing = set(lifecycle.events) - rows.keys()
     if missing:  # pragma: no cover - guards against a machine built from another table
         raise ValueError(f"machine lacks events {sorted(missing)}")
     return rows
@@ -223,7 +228,36 @@ def _private_copy(code: CodeType) -> CodeType:
     return code.replace(co_consts=consts)
 
 
-class CompiledEngine:
+class Engine:
+    """What both engines share: the machine, its table, and the dispatch rows read from the machine.
+
+    The manager decides from `rows` whether an event applies (it needs the
+    allowed events for its errors before anything runs); the engine runs
+    the step: `enter_initial` at open, `fire` for a transition, `retire`
+    at close, `hold_pages` (with `enter_initial`) the release phase's start.
+    """
+
+    name = "?"
+
+    def __init__(self, machine: Machine, table: StatusTable) -> None:
+        self.machine = machine
+        self.table = table
+        self.lifecycle: Lifecycle = table.lifecycle
+        self.rows = _compile(machine, self.lifecycle)
+        self._initial_hooks = _hooks(machine.get_state(self.lifecycle.initial).on_enter)
+        #: Puts a new room in the initial state (its pages held); each engine sets its own.
+        self._enter_initial: StepRun = _nothing
+        #: Forgets a closed terminal room (`_status.retire`).
+        self.retire: StepRun = _status.retire
+
+    def enter_initial(self, room: RoomRecord, now: float) -> None:
+        self._enter_initial(room, now, None)
+
+    def fire(self, room: RoomRecord, step: Step, now: float, reason: FailureReason | None) -> None:
+        raise NotImplementedError  # pragma: no cover - each engine has its own
+
+
+class CompiledEngine(Engine):
     """Runs the machine's hooks as code generated from the machine's callbacks.
 
     One engine per manager: the generated code is specialised for that
@@ -234,19 +268,18 @@ class CompiledEngine:
     name = "compiled"
 
     def __init__(self, machine: Machine, table: StatusTable) -> None:
-        self.machine = machine
-        self.table = table
-        self.rows = _compile(machine)
-        self._initial_hooks = _hooks(machine.get_state(INITIAL).on_enter)
+        super().__init__(machine, table)
+        initial = self.lifecycle.initial
         self.namespace: dict[str, Any] = table.inline_names()
         self._callback_names: dict[Hook, str] = {}
         self.initial_lines = tuple(
-            ["room.state = " + INITIAL.name]
-            + [line for hook in self._initial_hooks for line in self._hook_lines(hook, INITIAL)]
+            ["room.state = " + state_name(initial)]
+            + inline_lines(_status.hold_pages, initial, table)
+            + [line for hook in self._initial_hooks for line in self._hook_lines(hook, initial)]
         )
         source = ["def enter_initial(room, now, reason):", *indent(self.initial_lines, 1)]
         # The state argument only matters to ARM/DISARM lines, which retire has none of.
-        source += ["def retire(room, now, reason):", *indent(self._hook_lines(_status.retire, INITIAL), 1)]
+        source += ["def retire(room, now, reason):", *indent(self._hook_lines(_status.retire, initial), 1)]
         for row in self.rows.values():
             for step in row:
                 if step is None or step.dest is None:
@@ -254,7 +287,7 @@ class CompiledEngine:
                 # The order transitions runs them in: before, exit, state change, enter.
                 lines = [line for hook in step.before_hooks for line in self._hook_lines(hook, step.source)]
                 lines += [line for hook in step.exit_hooks for line in self._hook_lines(hook, step.source)]
-                lines.append("room.state = " + step.dest.name)
+                lines.append("room.state = " + state_name(step.dest))
                 lines += [line for hook in step.enter_hooks for line in self._hook_lines(hook, step.dest)]
                 step.lines = tuple(lines)
                 source += [f"def {step.event}_from_{step.source.name}(room, now, reason):", *indent(lines, 1)]
@@ -264,11 +297,11 @@ class CompiledEngine:
             for step in row:
                 if step is not None and step.dest is not None:
                     step.run = self.namespace[f"{step.event}_from_{step.source.name}"]
-        self._enter_initial: StepRun = self.namespace["enter_initial"]
-        #: Forgets a closed terminal room (`_status.retire`, compiled).
-        self.retire: StepRun = self.namespace["retire"]
+        self._enter_initial = self.namespace["enter_initial"]
+        # `_status.retire`, compiled.
+        self.retire = self.namespace["retire"]
 
-    def _hook_lines(self, hook: Hook, state: KVPoll) -> list[str]:
+    def _hook_lines(self, hook: Hook, state: State) -> list[str]:
         """A hook's source lines, or a plain call for a callback without them.
 
         A callback someone added to the machine (not made by `status_hook`) still runs,
@@ -283,31 +316,33 @@ class CompiledEngine:
             self.namespace[name] = hook
         return [f"{name}(room, now, reason)"]
 
-    def enter_initial(self, room: RoomRecord, now: float) -> None:
-        self._enter_initial(room, now, None)
-
     def fire(self, room: RoomRecord, step: Step, now: float, reason: FailureReason | None) -> None:
         step.run(room, now, reason)
 
 
-class TransitionsEngine(CompiledEngine):
+class TransitionsEngine(Engine):
     """Lets `transitions` itself run every event (the reference engine).
 
-      Validity is still decided from the compiled rows (the manager needs the
-      allowed events for its errors before anything runs); the state change
-    XX
+    Validity is still decided from the dispatch rows (the manager needs the
+    allowed events for its errors before anything runs); the state change
+    and every callback are `transitions`' own: `machine.events[e].trigger`
+    on the unregistered record, with the record, the clock reading and the
+    reason as arguments. It generates no code: the hooks run as the
+    callables `status_hook` made from their lines.
     """
 
     name = "transitions"
 
     def __init__(self, machine: Machine, table: StatusTable) -> None:
         super().__init__(machine, table)
-        self.retire = _status.retire
+        self._enter_initial = self._trigger_initial
 
-    def enter_initial(self, room: RoomRecord, now: float) -> None:
+    def _trigger_initial(self, room: RoomRecord, now: float, reason: FailureReason | None) -> None:
         machine = self.machine
-        state = machine.get_state(INITIAL)
-        room.state = INITIAL
+        initial = self.lifecycle.initial
+        state = machine.get_state(initial)
+        room.state = initial  # type: ignore[assignment]  # a lifecycle state (see TransferHandle.state)
+        _status.hold_pages(room, now, None)
         state.enter(EventData(state, None, machine, room, args=(room, now, None), kwargs={}))
 
     def fire(self, room: RoomRecord, step: Step, now: float, reason: FailureReason | None) -> None:
@@ -315,4 +350,4 @@ class TransitionsEngine(CompiledEngine):
             raise AssertionError(f"transitions refused {step!r} for room {room.room!r}")
 
 
-ENGINES: dict[str, type[CompiledEngine]] = {"compiled": CompiledEngine, "transitions": TransitionsEngine}
+ENGINES: dict[str, type[Engine]] = {"compiled": CompiledEngine, "transitions": TransitionsEngine}

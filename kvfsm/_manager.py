@@ -30,15 +30,26 @@ Decisions, and the rule of DESIGN.md each one keeps:
   `UnknownRoom` messages specific without growing forever.
 * `abort()` runs the `abort` event under the lock and returns after the
   hooks wrote `Failed` (rule 5).
-* A `Failed` room is release-safe once its backend called
-  `writes_drained()`, or once `Timeouts.drain` has passed since it failed
-  (rule 6).
+* A room's pages have a declared release phase of their own (`_release.py`):
+  `Success` releases them at once; a failed room's pages are released
+  only on proof that no write can land (`writes_drained()`, `fenced()`),
+  and quarantined when `Timeouts.drain` passes without one, never freed
+  on a timer unless the manager was built with `on_drain_deadline=
+  "release"` (rule 6). A closed room whose pages are not released is
+  remembered (`_held`) until they are, so a proof that comes after
+  `close()` still lands and `holds_pages(room)` still answers.
 * Deadlines are checked on every event and status read and, if started, by
   one reaper thread per manager (rule 7).
+
+Everything lifecycle-specific comes from the manager's `Lifecycle`
+(`KV_LIFECYCLE` by default): its machine, the handle class with one
+method per declared event (`handle_base`, generated from the event specs),
+the deadline phases, the `Timeouts` class and the failure state.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -46,7 +57,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _fastpath
 from ._errors import (
@@ -55,42 +66,37 @@ from ._errors import (
     InvalidRoomId,
     InvalidTransition,
     KVTransferError,
+    NotQuarantined,
     RoomNotFailed,
     UnknownRoom,
 )
-from ._machine import ENGINES, CompiledEngine, Step, StepRun, lifecycle_machine
+from ._lifecycle import KV_LIFECYCLE, PROGRESS_ARGS, EventSpec, Lifecycle, PhaseTimeouts, Timeouts
+from ._machine import ENGINES, CompiledEngine, Engine, Step, StepRun, lifecycle_machine
 from ._observe import Observer, StateChange
+from ._release import DRAIN_POLICIES, PROOFS, RELEASE_TABLE, PagesState
 from ._states import (
     MAX_INT_ROOM_ID,
     MAX_ROOM_ID_CHARS,
     MIN_INT_ROOM_ID,
-    TERMINAL,
     FailureKind,
     FailureReason,
     KVPoll,
     Role,
     RoomId,
-    Timeouts,
+    State,
 )
-from ._status import ManagerStats, StatusTable
-from ._table import EVENTS
+from ._status import ManagerStats, StatusTable, held_nbytes, pages_step
 
-__all__ = ["TransferManager", "TransferHandle"]
+__all__ = ["TransferManager", "TransferHandle", "handle_base"]
 
 logger = logging.getLogger("kvfsm")
 
 DEFAULT_TIMEOUTS = Timeouts()
-# Module constants: `KVPoll.Success` is an enum class-attribute lookup
-# (~60 ns on CPython 3.11), too slow for the paths every request takes.
-_SUCCESS, _FAILED, _BOOTSTRAPPING = KVPoll.Success, KVPoll.Failed, KVPoll.Bootstrapping
-_DRAIN_PENDING, _DRAINED, _DRAIN_DEADLINE = 0, 1, 2
-#: What an observer may ask for: every table event, and a room's open and close.
-_NOTICE_EVENTS: frozenset[str] = frozenset({*EVENTS, "open", "close"})
-_PHASE_NAMES = {
-    KVPoll.Bootstrapping: "bootstrap",
-    KVPoll.WaitingForInput: "waiting",
-    KVPoll.Transferring: "transferring",
-}
+# Module constants: an enum class-attribute lookup (~60 ns on CPython 3.11)
+# is too slow for the paths every request takes.
+_RELEASED, _DRAINING, _QUARANTINED = PagesState.RELEASED, PagesState.DRAINING, PagesState.QUARANTINED
+#: The release phase's steps an observer may ask for (succeeded/failed are the lifecycle's own steps).
+_PAGES_NOTICES: tuple[str, ...] = tuple(i for i in RELEASE_TABLE.inputs() if i not in ("succeeded", "failed"))
 
 
 _ROOM_ID_EXPECTED = (
@@ -126,7 +132,6 @@ class TransferHandle:
 
     __slots__ = (
         "__weakref__",
-        "_drain",
         "_manager",
         "_table",
         "chunks",
@@ -137,17 +142,25 @@ class TransferHandle:
         "last_chunk_at",
         "nbytes",
         "opened_at",
+        "pages_nbytes",
+        "pages_state",
         "reason",
         "room",
         "state",
         "transfer_started_at",
     )
 
+    #: The room's lifecycle state and the release phase of its pages: written by
+    #: the machine's hooks only (the engine sets both when the room opens, right
+    #: after this constructor). Typed as the KV lifecycle's states; a handle of
+    #: another lifecycle holds a member of its `lifecycle.State`, an `IntEnum`
+    #: read the same way (by name and value, compared with `is`).
+    state: KVPoll
+    pages_state: PagesState
+
     def __init__(self, manager: TransferManager, room: RoomId, generation: int, now: float) -> None:
         self.room = room
         self.generation = generation
-        # The machine sets the real initial state through its entry hook.
-        self.state = _BOOTSTRAPPING
         self.reason: FailureReason | None = None
         self.opened_at = now
         self.entered_at = now
@@ -155,33 +168,22 @@ class TransferHandle:
         self.last_chunk_at: float | None = None
         self.finished_at: float | None = None
         self.nbytes = 0
+        self.pages_nbytes = 0
         self.chunks = 0
         self.closed = False
-        self._drain = _DRAIN_PENDING
         self._manager = manager
         self._table = manager._table
 
     # -- events ---------------------------------------------------------------
+    # A lifecycle's declared events are methods of its handle class
+    # (`handle_base`, generated from the event specs). The type checker sees
+    # the KV lifecycle's (tests/unit check these stubs against its specs).
+    if TYPE_CHECKING:
 
-    def bootstrapped(self) -> bool:
-        """Handshake done: Bootstrapping -> WaitingForInput."""
-        return self._manager._fire(self, "bootstrapped")
-
-    def transfer_started(self) -> bool:
-        """First chunk issued: WaitingForInput -> Transferring."""
-        return self._manager._fire(self, "transfer_started")
-
-    def chunk_done(self, nbytes: int, last: bool = False) -> bool:
-        """A chunk of `nbytes` landed (progress; the state stays Transferring)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"chunk_done(nbytes) of room {self.room!r} must be an int; got {nbytes!r}")
-        if nbytes < 0:
-            raise ValueError(f"chunk_done(nbytes) of room {self.room!r} must be >= 0; got {nbytes}")
-        return self._manager._fire(self, "chunk_done", None, nbytes, bool(last))
-
-    def transfer_done(self) -> bool:
-        """Every chunk and the commit marker landed: Transferring -> Success."""
-        return self._manager._fire(self, "transfer_done")
+        def bootstrapped(self) -> bool: ...
+        def transfer_started(self) -> bool: ...
+        def chunk_done(self, nbytes: int, last: bool = False) -> bool: ...
+        def transfer_done(self) -> bool: ...
 
     def fail(self, reason: FailureReason) -> bool:
         """A structured failure from the backend or peer: -> Failed."""
@@ -204,12 +206,30 @@ class TransferHandle:
         return self._manager._fire(self, "abort", FailureReason(FailureKind.ABORTED, reason))
 
     def writes_drained(self) -> None:
-        """The backend guarantees no write into this room's pages is in flight.
+        """Proof from the backend: no write into this room's pages is in flight, none can start.
 
-        Not a lifecycle event: it never changes the state. It opens the
-        release gate of a `Failed` room; on any other room it is ignored.
+        Not a lifecycle event: it never changes the state. It releases the
+        pages of a failed room (draining or quarantined), also after
+        `close()`; on a live or succeeded room it is ignored.
         """
-        self._manager._drained(self)
+        self._manager._prove(self, "drained", None)
+
+    def fenced(self, why: str) -> None:
+        """Proof from the engine: the peer that could write into these pages is fenced.
+
+        Its connection is closed, its process is gone, or its next
+        incarnation says the old one holds no writes (`why` says which, for
+        the log). Releases the pages of a failed room, as `writes_drained()`.
+        """
+        if not isinstance(why, str) or not why:
+            raise TypeError(f"fenced(why) of room {self.room!r} takes a non-empty str; got {why!r}")
+        self._manager._prove(self, "fenced", why)
+
+    def holds(self, nbytes: int) -> None:
+        """The backend gave this room `nbytes` of the server's pages (what a quarantine counts)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise TypeError(f"holds(nbytes) of room {self.room!r} takes an int >= 0; got {nbytes!r}")
+        self.pages_nbytes = nbytes
 
     def close(self) -> None:
         """Close this generation of the room (see `TransferManager.close`)."""
@@ -228,8 +248,16 @@ class TransferHandle:
 
     @property
     def is_terminal(self) -> bool:
-        state = self.state
-        return state is _SUCCESS or state is _FAILED
+        return self._table.terminal[self.state]
+
+    @property
+    def status(self) -> KVPoll:
+        """What the status table says of this room: the `KVPoll` its state reports."""
+        return self._table.reports[self.state]
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self._table.lifecycle
 
     @property
     def failure(self) -> FailureReason | None:
@@ -238,7 +266,7 @@ class TransferHandle:
 
     @property
     def release_safe(self) -> bool:
-        """Whether the server may free this room's KV pages now (rule 6)."""
+        """Whether the server may free this room's KV pages now: its pages are released (rule 6)."""
         return self._manager._release_safe(self)
 
     @property
@@ -256,13 +284,69 @@ class TransferHandle:
 
         Raises `RoomNotFailed` if the room has not failed.
         """
-        if self.state is not KVPoll.Failed:
+        if self.state is not self._table.lifecycle.failure:
             raise RoomNotFailed(self.room, self.state)
         raise KVTransferError(self.room, self.reason)
 
     def __repr__(self) -> str:
         closed = ", closed" if self.closed else ""
-        return f"<TransferHandle room={self.room!r} gen={self.generation} {self.state.name}{closed}>"
+        pages = "" if self.pages_state is _RELEASED or not self.is_terminal else f", pages {self.pages_state.value}"
+        return f"<TransferHandle room={self.room!r} gen={self.generation} {self.state.name}{closed}{pages}>"
+
+
+def _check_arg(handle: TransferHandle, event: str, name: str, value: object) -> None:
+    """Validate one argument of a declared event's handle method (its `EventArg`)."""
+    arg = PROGRESS_ARGS[name]
+    if arg.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{event}({name}) of room {handle.room!r} must be an int; got {value!r}")
+        if arg.minimum is not None and value < arg.minimum:
+            raise ValueError(f"{event}({name}) of room {handle.room!r} must be >= {arg.minimum}; got {value}")
+
+
+def _event_method_source(spec: EventSpec, lifecycle: Lifecycle) -> list[str]:
+    sig = _fastpath.signature(spec)
+    names = [a.name for a in spec.args]
+    lines = [f"def {spec.name}(self{sig.params}):"]
+    lines += [
+        f"    check_arg(self, {spec.name!r}, {name!r}, {name})" for name in names if PROGRESS_ARGS[name].kind is int
+    ]
+    nbytes = "nbytes" if "nbytes" in names else "0"
+    last = "bool(last)" if "last" in names else "False"
+    extra = f", None, {nbytes}, {last}" if spec.internal else ""
+    lines.append(f"    return self._manager._fire(self, {spec.name!r}{extra})")
+    return lines
+
+
+def _event_doc(spec: EventSpec, lifecycle: Lifecycle) -> str:
+    sources = " or ".join(spec.sources)
+    where = f"{sources} (internal: progress only, the state stays)" if spec.internal else f"{sources} -> {spec.dest}"
+    doc = spec.doc[:1].upper() + spec.doc[1:] if spec.doc else f"Event {spec.name!r}"
+    return f"{doc}: {where}."
+
+
+@functools.cache
+def handle_base(lifecycle: Lifecycle) -> type[TransferHandle]:
+    """The handle class of `lifecycle`: `TransferHandle` with one method per declared event.
+
+    Generated once per lifecycle from its event specs, so a lifecycle's
+    events and its handle's methods cannot disagree. The compiled engine's
+    fast path subclasses it per manager (`_fastpath.handle_class`).
+    """
+    namespace: dict[str, Any] = {"check_arg": _check_arg}
+    source: list[str] = []
+    for spec in lifecycle.event_specs.values():
+        source += _event_method_source(spec, lifecycle)
+    exec(compile("\n".join(source) + "\n", f"<kvfsm handle of lifecycle {lifecycle.name}>", "exec"), namespace)
+    methods: dict[str, Any] = {}
+    for name, spec in lifecycle.event_specs.items():
+        method = namespace[name]
+        method.__doc__ = _event_doc(spec, lifecycle)
+        method.__qualname__ = f"TransferHandle.{name}"
+        methods[name] = method
+    cls = type("TransferHandle", (TransferHandle,), {"__slots__": (), "__module__": __name__, **methods})
+    cls.__qualname__ = "TransferHandle"
+    return cls
 
 
 class TransferManager:
@@ -278,15 +362,25 @@ class TransferManager:
         self,
         role: Role | str,
         *,
-        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        lifecycle: Lifecycle = KV_LIFECYCLE,
+        timeouts: PhaseTimeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         strict: bool = False,
         engine: str = "compiled",
         remember_closed: int = 65536,
+        on_drain_deadline: str = "quarantine",
     ) -> None:
         self.role = Role.coerce(role)
-        if not isinstance(timeouts, Timeouts):
-            raise TypeError(f"timeouts must be a kvfsm.Timeouts; got {type(timeouts).__name__}: {timeouts!r}")
+        if not isinstance(lifecycle, Lifecycle):
+            raise TypeError(f"lifecycle must be a kvfsm.Lifecycle; got {type(lifecycle).__name__}: {lifecycle!r}")
+        if timeouts is None:
+            timeouts = DEFAULT_TIMEOUTS if lifecycle is KV_LIFECYCLE else lifecycle.Timeouts()
+        if not isinstance(timeouts, lifecycle.Timeouts):
+            expected = "kvfsm.Timeouts" if lifecycle is KV_LIFECYCLE else f"{lifecycle.name!r} lifecycle's Timeouts"
+            raise TypeError(
+                f"timeouts must be a {expected} (phases {', '.join(lifecycle.phases) or 'none'}, and drain); "
+                f"got {type(timeouts).__name__}: {timeouts!r}"
+            )
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds; got {clock!r}")
         if not isinstance(strict, bool):
@@ -295,16 +389,26 @@ class TransferManager:
             raise ConfigError(f"engine must be one of {sorted(ENGINES)}; got {engine!r}")
         if isinstance(remember_closed, bool) or not isinstance(remember_closed, int) or remember_closed < 0:
             raise ConfigError(f"remember_closed must be an int >= 0; got {remember_closed!r}")
+        if on_drain_deadline not in DRAIN_POLICIES:
+            raise ConfigError(
+                f"on_drain_deadline must be one of {', '.join(map(repr, DRAIN_POLICIES))}; got {on_drain_deadline!r}"
+            )
+        # Instance attributes are kept under CPython's 30 shared keys: past that, every
+        # attribute read of the manager (status() reads three) falls off its fast path
+        # (measured: status() 122 -> 148 ns). Derived values are properties instead.
         self.timeouts = timeouts
         self.strict = strict
+        #: What the drain deadline does to pages still waiting for proof ("quarantine", the default, or "release").
+        self.on_drain_deadline = on_drain_deadline
         self._clock = clock
         self._lock = threading.Lock()
-        self._table = StatusTable(timeouts)
+        self._table = StatusTable(timeouts, lifecycle)
         # Read on every status call: bound here to skip a lookup each time.
         self._status = self._table.status
         self._deadlines = self._table.deadlines
         self._stats = self._table.stats
-        self._engine: CompiledEngine = ENGINES[engine](lifecycle_machine(self.role), self._table)
+        self._terminal = self._table.terminal
+        self._engine: Engine = ENGINES[engine](lifecycle_machine(self.role, lifecycle), self._table)
         self._rows = self._engine.rows
         self._enter_initial: StepRun = self._engine._enter_initial
         self._retire: StepRun = self._engine.retire
@@ -312,9 +416,11 @@ class TransferManager:
         # Two generations of tombstones: the newest `remember_closed` closes
         # at least, twice that at most, for O(1) per close without an LRU.
         # room -> (generation, final state, when it ended): see `last_closed`.
-        self._closed: dict[RoomId, tuple[int, KVPoll, float | None]] = {}
-        self._closed_older: dict[RoomId, tuple[int, KVPoll, float | None]] = {}
+        self._closed: dict[RoomId, tuple[int, State, float | None]] = {}
+        self._closed_older: dict[RoomId, tuple[int, State, float | None]] = {}
         self._remember_closed = remember_closed
+        # Closed rooms whose pages are not released yet (draining or quarantined), by room id.
+        self._held: dict[RoomId, list[TransferHandle]] = {}
         self._generation = 0
         # Observers and the events each wants (None: every one), and per event whether
         # anyone does: a step nobody observes builds no notice and keeps its fast path.
@@ -326,9 +432,9 @@ class TransferManager:
         self._dispatching = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._reaper_stop: threading.Event | None = None
-        self._handle_cls: type[TransferHandle] = TransferHandle
-        if type(self._engine) is CompiledEngine:
-            self._handle_cls = _fastpath.handle_class(TransferHandle, self, self._engine)
+        self._handle_cls: type[TransferHandle] = handle_base(lifecycle)
+        if isinstance(self._engine, CompiledEngine):
+            self._handle_cls = _fastpath.handle_class(self._handle_cls, self, self._engine)
 
     # -- public reads -----------------------------------------------------------
 
@@ -340,6 +446,20 @@ class TransferManager:
     @property
     def engine(self) -> str:
         return self._engine.name
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """The declared lifecycle of this manager's rooms (`KV_LIFECYCLE` by default)."""
+        return self._table.lifecycle
+
+    @property
+    def notice_events(self) -> frozenset[str]:
+        """What an observer may ask for: every lifecycle event, a room's open and close, the release phase's steps."""
+        return frozenset({*self._table.lifecycle.events, "open", "close", *_PAGES_NOTICES})
+
+    @property
+    def _drain_input(self) -> str:
+        return DRAIN_POLICIES[self.on_drain_deadline]
 
     def status(self, room: RoomId) -> KVPoll:
         """The room's state after enforcing due deadlines; `UnknownRoom` if not open."""
@@ -385,11 +505,89 @@ class TransferManager:
         return self._release_safe(self.get(room))
 
     def counts(self) -> dict[KVPoll, int]:
-        """Open rooms per state (every state listed, zeros included)."""
-        live = self._table.live
-        return {state: live[state] for state in KVPoll}
+        """Open rooms per reported `KVPoll` (every value listed, zeros included).
 
-    def last_closed(self, room: RoomId) -> tuple[int, KVPoll, float | None] | None:
+        For the KV lifecycle, rooms per state; a lifecycle with more states
+        counts each under the value it reports (see `state_counts`).
+        """
+        live = self._table.live
+        reports = self._table.reports
+        out = {state: 0 for state in KVPoll}
+        for value, n in enumerate(live):
+            out[reports[value]] += n
+        return out
+
+    def state_counts(self) -> dict[State, int]:
+        """Open rooms per lifecycle state (every state listed, zeros included)."""
+        live = self._table.live
+        return {state: live[state] for state in self.lifecycle.State}
+
+    def holds_pages(self, room: RoomId) -> bool:
+        """Whether pages of any generation of `room`, open or closed, are not release-safe yet.
+
+        A closed room whose pages are draining or quarantined still holds
+        them: a server that asks after `close()` (SGLang's deferred release
+        after `clear()`) gets the release gate's answer, not "unknown".
+        """
+        _check_room_id(room)
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()  # a drain deadline due quarantines (or, opted in, releases) first
+        if room in self._held:
+            return True
+        handle = self._rooms.get(room)
+        return handle is not None and not self._release_safe(handle)
+
+    def quarantined(self) -> list[TransferHandle]:
+        """The rooms (open or closed) whose pages are quarantined now, oldest failure first."""
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()
+        with self._lock:
+            found = [h for h in self._rooms.values() if h.pages_state is _QUARANTINED]
+            found += [h for held in self._held.values() for h in held if h.pages_state is _QUARANTINED]
+        return sorted(found, key=lambda h: (h.finished_at or 0.0, h.generation))
+
+    def release_quarantined(self, room: RoomId, why: str) -> int:
+        """Release the quarantined pages of `room` (every generation of it): an operator's explicit override.
+
+        For pages an operator knows are safe (the peer's host was rebooted,
+        say) although no proof reached kvfsm. Counted in
+        `stats.quarantine_overrides` and logged with `why`. Returns how many
+        generations were released; `NotQuarantined` if none was quarantined.
+        """
+        _check_room_id(room)
+        if not isinstance(why, str) or not why:
+            raise TypeError(f"release_quarantined({room!r}, why) needs a non-empty str saying why; got {why!r}")
+        released: list[TransferHandle] = []
+        notices = self._outbox
+        if self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()
+        with self._lock:
+            candidates = [*self._held.get(room, ())]
+            live = self._rooms.get(room)
+            if live is not None:
+                candidates.append(live)
+            for handle in candidates:
+                if handle.pages_state is _QUARANTINED:
+                    self._pages(handle, "override", self._clock(), notices)
+                    released.append(handle)
+            self._stats.quarantine_overrides += len(released)
+            pages = ", ".join(sorted({h.pages_state.value for h in candidates})) or "not open or held"
+        if notices:
+            self._dispatch()
+        if not released:
+            raise NotQuarantined(room, pages)
+        for handle in released:
+            logger.warning(
+                "kvfsm %s room %r gen %d: quarantined pages (%d bytes) released by an operator: %s",
+                self.role.value,
+                room,
+                handle.generation,
+                held_nbytes(handle),
+                why,
+            )
+        return len(released)
+
+    def last_closed(self, room: RoomId) -> tuple[int, State, float | None] | None:
         """The newest closed generation of `room` still remembered: (generation, final state, when it ended).
 
         A cross-process backend reads it to learn of a generation that was
@@ -397,8 +595,8 @@ class TransferManager:
         """
         return self._closed.get(room) or self._closed_older.get(room)
 
-    def allowed_events(self, state: KVPoll) -> tuple[str, ...]:
-        """Events the table accepts in `state`, in declaration order."""
+    def allowed_events(self, state: State) -> tuple[str, ...]:
+        """Events the lifecycle accepts in `state`, in declaration order."""
         return tuple(name for name, row in self._rows.items() if row[state] is not None)
 
     def __len__(self) -> int:
@@ -414,36 +612,39 @@ class TransferManager:
             return iter(list(self._rooms.values()))
 
     def __repr__(self) -> str:
-        return f"<TransferManager {self.role.value} open={len(self._rooms)} engine={self._engine.name}>"
+        kind = "" if self.lifecycle is KV_LIFECYCLE else f" lifecycle={self.lifecycle.name}"
+        return f"<TransferManager {self.role.value}{kind} open={len(self._rooms)} engine={self._engine.name}>"
 
     # -- rooms ------------------------------------------------------------------
 
     def open(self, room: RoomId) -> TransferHandle:
-        """Open `room` in Bootstrapping and return its handle (`DuplicateRoom` if open)."""
+        """Open `room` in the initial state and return its handle (`DuplicateRoom` if open)."""
         _check_room_id(room)
         lock = self._lock
         lock.acquire()
         try:
             now = self._clock()
-            if now < self._deadlines.next_due and not self._watching["open"]:
-                rooms = self._rooms
-                if room not in rooms:
-                    self._generation += 1
-                    handle = self._handle_cls(self, room, self._generation, now)
-                    rooms[room] = handle
-                    self._enter_initial(handle, now, None)
-                    self._stats.opened += 1
-                    return handle
+            if now < self._deadlines.next_due and not self._watching["open"] and room not in self._rooms:
+                return self._new_handle(room, now)
         finally:
             lock.release()
         return self._open(room)
+
+    def _new_handle(self, room: RoomId, now: float) -> TransferHandle:
+        """A new generation of `room`, in the initial state (lock held; `room` is not open)."""
+        self._generation += 1
+        handle = self._handle_cls(self, room, self._generation, now)
+        self._rooms[room] = handle
+        self._enter_initial(handle, now, None)
+        self._stats.opened += 1
+        return handle
 
     def _open(self, room: RoomId) -> TransferHandle:
         """`open` with due deadlines, observers or a duplicate to deal with."""
         # Notices go straight into the outbox under the lock, so the outbox holds
         # every room's steps in the order they happened (rule 16).
         notices = self._outbox
-        expired: list[TransferHandle] = []
+        expired: list[tuple[TransferHandle, str]] = []
         try:
             with self._lock:
                 now = self._clock()
@@ -452,11 +653,7 @@ class TransferManager:
                 existing = self._rooms.get(room)
                 if existing is not None:
                     raise DuplicateRoom(room, existing.state, existing.generation)
-                self._generation += 1
-                handle = self._handle_cls(self, room, self._generation, now)
-                self._rooms[room] = handle
-                self._enter_initial(handle, now, None)
-                self._table.stats.opened += 1
+                handle = self._new_handle(room, now)
                 if self._watching["open"]:
                     notices.append(StateChange(self.role, room, handle.generation, "open", None, handle.state, now))
         finally:
@@ -468,44 +665,52 @@ class TransferManager:
         """Close the open room: forget its status and reason, keep a tombstone.
 
         A room still in flight is aborted first, so nothing that waits on it
-        hangs. Free its pages before closing, once `release_safe(room)`.
+        hangs. Free its pages before closing, once `release_safe(room)`; a
+        room closed before that keeps its pages' release phase (see
+        `holds_pages`).
         """
         if room.__class__ is not int and room.__class__ is not str:
             _check_room_id(room)
         handle = self._rooms.get(room)
         if handle is None:
             raise self._unknown(room)
-        state = handle.state
-        if (state is _SUCCESS or state is _FAILED) and not self._watching["close"]:
+        if self._terminal[handle.state] and not self._watching["close"]:
             # The common case, without a notice to build: see `_close`.
             lock = self._lock
             lock.acquire()
             try:
                 if not handle.closed:
-                    handle.closed = True
-                    del self._rooms[room]
-                    self._retire(handle, 0.0, None)
-                    if self._remember_closed:
-                        closed = self._closed
-                        closed[room] = (handle.generation, state, handle.finished_at)
-                        if len(closed) >= self._remember_closed:
-                            self._closed_older, self._closed = closed, {}
+                    self._tombstone(handle)
                     return
             finally:
                 lock.release()
         self._close(handle)
+
+    def _tombstone(self, handle: TransferHandle) -> None:
+        """Retire a terminal room and remember it closed (lock held; the handle is open)."""
+        room = handle.room
+        handle.closed = True
+        del self._rooms[room]
+        self._retire(handle, 0.0, None)
+        if handle.pages_state is not _RELEASED:
+            self._held.setdefault(room, []).append(handle)
+        if self._remember_closed:
+            closed = self._closed
+            closed[room] = (handle.generation, handle.state, handle.finished_at)
+            if len(closed) >= self._remember_closed:
+                self._closed_older, self._closed = closed, {}
 
     def check_deadlines(self) -> list[RoomId]:
         """Fail every room whose phase deadline passed; return their ids."""
         # Notices go straight into the outbox under the lock, so the outbox holds
         # every room's steps in the order they happened (rule 16).
         notices = self._outbox
-        expired: list[TransferHandle] = []
+        expired: list[tuple[TransferHandle, str]] = []
         with self._lock:
             self._expire(self._clock(), expired, notices)
         if expired or notices:
             self._after(expired, notices)
-        return [handle.room for handle in expired]
+        return [handle.room for handle, what in expired if what == "timeout"]
 
     # -- observers and the reaper ---------------------------------------------------
 
@@ -518,17 +723,20 @@ class TransferManager:
         table events and "open" / "close"; a step no observer wants costs
         nothing (a backend that only stops failed rooms watches
         "fail", "timeout", "abort" and "close", and the common steps keep
-        their fast path).
+        their fast path). The release phase's steps ("drained", "fenced",
+        "drain_deadline", "drain_deadline_release", "override") are notices
+        too: their `pages` field says where the pages went, and the room's
+        state does not change (`source is dest`).
         """
         if not callable(observer):
             raise TypeError(f"observer must be callable; got {observer!r}")
         wanted: frozenset[str] | None = None
         if events is not None:
             wanted = frozenset(events)
-            unknown = sorted(wanted - _NOTICE_EVENTS)
+            unknown = sorted(wanted - self.notice_events)
             if unknown:
                 raise ConfigError(
-                    f"subscribe(events=...) takes {', '.join(sorted(_NOTICE_EVENTS))}; got {', '.join(unknown)}"
+                    f"subscribe(events=...) takes {', '.join(sorted(self.notice_events))}; got {', '.join(unknown)}"
                 )
         entry = (observer, wanted)
         with self._lock:
@@ -544,17 +752,18 @@ class TransferManager:
 
     def _watch(self) -> None:
         """Recompute which events anyone observes (lock held, or in the constructor)."""
-        for event in _NOTICE_EVENTS:
+        for event in self.notice_events:
             self._watching[event] = any(events is None or event in events for _observer, events in self._observers)
 
     def start_reaper(self, interval: float | None = None) -> None:
         """Start one daemon thread that calls `check_deadlines()` every `interval` s.
 
         The default interval is a tenth of the shortest configured phase
-        timeout, between 10 ms and 1 s. Starting a running reaper does nothing.
+        timeout (the drain deadline included), between 10 ms and 1 s.
+        Starting a running reaper does nothing.
         """
         if interval is None:
-            limits = [t for t in (self.timeouts.bootstrap, self.timeouts.waiting, self.timeouts.transferring) if t]
+            limits = [t for t in (*self.timeouts.phase_limits().values(), self.timeouts.drain) if t]
             interval = min(1.0, max(0.01, min(limits) / 10)) if limits else 1.0
         if (
             isinstance(interval, bool)
@@ -614,9 +823,9 @@ class TransferManager:
         # Notices go straight into the outbox under the lock, so the outbox holds
         # every room's steps in the order they happened (rule 16).
         notices = self._outbox
-        expired: list[TransferHandle] = []
+        expired: list[tuple[TransferHandle, str]] = []
         applied = False
-        late: KVPoll | None = None
+        late: State | None = None
         invalid: str | None = None
         error: InvalidTransition | None = None
         with self._lock:
@@ -632,7 +841,7 @@ class TransferManager:
             else:
                 step = self._rows[event][state]
                 if step is None:
-                    if state in TERMINAL:
+                    if self._terminal[state]:
                         self._table.stats.late_events += 1
                         late = state
                     else:
@@ -714,24 +923,84 @@ class TransferManager:
                 )
             )
 
-    def _expire(self, now: float, expired: list[TransferHandle], notices: deque[StateChange]) -> None:
-        """Fail every room whose deadline is due (lock held)."""
+    def _expire(self, now: float, expired: list[tuple[TransferHandle, str]], notices: deque[StateChange]) -> None:
+        """Fail every room whose phase deadline is due, and step the pages whose drain deadline is (lock held)."""
         deadlines = self._table.deadlines
         for handle, state, limit in deadlines.due(now):
             reason = FailureReason(
                 FailureKind.TIMEOUT,
-                f"{_PHASE_NAMES[state]} deadline of {limit:g}s passed ({state.name} since t={handle.entered_at:.3f}, now t={now:.3f})",
+                f"{self.lifecycle.phase_of(state)} deadline of {limit:g}s passed ({state.name} since t={handle.entered_at:.3f}, now t={now:.3f})",
                 state,
             )
             self._table.stats.timeouts += 1
             self._apply(handle, self._rows["timeout"][state], now, reason, notices)  # type: ignore[arg-type]
-            expired.append(cast(TransferHandle, handle))
+            expired.append((handle, "timeout"))  # type: ignore[arg-type]
+        for handle in deadlines.drain_due(now):
+            if handle.pages_state is _DRAINING:  # else a proof came first
+                self._pages(handle, self._drain_input, now, notices)  # type: ignore[arg-type]
+                expired.append((handle, self._drain_input))  # type: ignore[arg-type]
         deadlines.refresh()
 
-    def _after(self, expired: list[TransferHandle], notices: deque[StateChange]) -> None:
-        """Outside the lock: log timeouts, hand the queued notices to observers."""
-        for handle in expired:
-            logger.warning("kvfsm %s room %r timed out: %s", self.role.value, handle.room, handle.reason)
+    def _pages(self, handle: TransferHandle, input: str, now: float, notices: deque[StateChange]) -> bool:
+        """Step `handle`'s release phase by `input` and queue its notice (lock held); whether it moved."""
+        before = pages_step(handle, input, self._table)
+        if before is None:
+            return False
+        stats = self._stats
+        if handle.pages_state is _RELEASED:
+            if input == "drain_deadline_release":
+                stats.drain_deadline_releases += 1
+            elif before is _QUARANTINED and input in PROOFS:
+                stats.released_after_quarantine += 1
+            if handle.closed:
+                held = self._held.get(handle.room)
+                if held is not None:
+                    held.remove(handle)
+                    if not held:
+                        del self._held[handle.room]
+        if self._watching[input]:
+            notices.append(
+                StateChange(
+                    self.role,
+                    handle.room,
+                    handle.generation,
+                    input,
+                    handle.state,
+                    handle.state,
+                    now,
+                    None,
+                    held_nbytes(handle),
+                    False,
+                    handle.pages_state,
+                )
+            )
+        return True
+
+    def _after(self, expired: list[tuple[TransferHandle, str]], notices: deque[StateChange]) -> None:
+        """Outside the lock: log timeouts and drain deadlines, hand the queued notices to observers."""
+        for handle, what in expired:
+            if what == "timeout":
+                logger.warning("kvfsm %s room %r timed out: %s", self.role.value, handle.room, handle.reason)
+            elif what == "drain_deadline":
+                logger.warning(
+                    "kvfsm %s room %r gen %d: no proof that its writes stopped within the drain deadline of %gs; "
+                    "its pages (%d bytes) are quarantined, not released, until a proof arrives "
+                    "(writes_drained, fenced) or an operator calls release_quarantined()",
+                    self.role.value,
+                    handle.room,
+                    handle.generation,
+                    self._deadlines.drain_limit,
+                    held_nbytes(handle),
+                )
+            else:
+                logger.warning(
+                    "kvfsm %s room %r gen %d: drain deadline of %gs passed without proof; its pages are released "
+                    'although a peer write may still land (on_drain_deadline="release")',
+                    self.role.value,
+                    handle.room,
+                    handle.generation,
+                    self._deadlines.drain_limit,
+                )
         if notices:
             self._dispatch()
 
@@ -770,52 +1039,50 @@ class TransferManager:
         else:
             logger.warning("kvfsm %s room %r failed: %s", self.role.value, handle.room, reason)
 
-    def _drained(self, handle: TransferHandle) -> None:
+    def _prove(self, handle: TransferHandle, proof: str, why: str | None) -> None:
+        """A proof that no write into the room's pages can land: release them if they wait for one."""
+        notices = self._outbox
         with self._lock:
-            if handle.closed or handle.state is not KVPoll.Failed:
-                ignored = handle.state
-            else:
-                handle._drain = _DRAINED
-                return
-        logger.debug(
-            "kvfsm %s room %r: writes_drained ignored (room is %s%s)",
-            self.role.value,
-            handle.room,
-            ignored.name,
-            ", closed" if handle.closed else "",
-        )
-
-    def _release_safe(self, handle: TransferHandle) -> bool:
-        state = handle.state
-        if state is _SUCCESS:
-            return True
-        if state is not _FAILED:
-            return False
-        if handle._drain != _DRAIN_PENDING:
-            return True
-        drain = self.timeouts.drain
-        if drain is None or handle.finished_at is None:
-            return False
-        if self._clock() < handle.finished_at + drain:
-            return False
-        with self._lock:
-            first = handle._drain == _DRAIN_PENDING
-            if first:
-                handle._drain = _DRAIN_DEADLINE
-                self._table.stats.drain_deadline_releases += 1
-        if first:
-            logger.warning(
-                "kvfsm %s room %r: drain deadline of %gs passed without writes_drained(); "
-                "its pages are released although a peer write may still land",
+            before = handle.pages_state
+            moved = self._pages(handle, proof, self._clock(), notices)
+            if moved and proof == "fenced":
+                self._stats.fences += 1
+        if notices:
+            self._dispatch()
+        if not moved:
+            logger.debug(
+                "kvfsm %s room %r: %s ignored (room is %s%s, pages %s)",
                 self.role.value,
                 handle.room,
-                drain,
+                "writes_drained" if proof == "drained" else "fenced",
+                handle.state.name,
+                ", closed" if handle.closed else "",
+                before.value,
             )
-        return True
+        elif before is _QUARANTINED:
+            logger.warning(
+                "kvfsm %s room %r gen %d: quarantined pages released: proof arrived (%s%s)",
+                self.role.value,
+                handle.room,
+                handle.generation,
+                proof,
+                f": {why}" if why else "",
+            )
+        elif why:
+            logger.info("kvfsm %s room %r: pages released, peer fenced: %s", self.role.value, handle.room, why)
+
+    def _release_safe(self, handle: TransferHandle) -> bool:
+        pages = handle.pages_state
+        if pages is _RELEASED:
+            return True
+        if pages is _DRAINING and self._clock() >= self._deadlines.next_due:
+            self.check_deadlines()  # the opt-in timer release answers on time
+            return handle.pages_state is _RELEASED
+        return False
 
     def _close(self, handle: TransferHandle) -> None:
         state = handle.state
-        if state is not _SUCCESS and state is not _FAILED and not handle.closed:
+        if not self._terminal[state] and not handle.closed:
             handle.abort(f"closed while {state.name}")
         notice: StateChange | None = None
         lock = self._lock
@@ -824,14 +1091,7 @@ class TransferManager:
             closed_already = handle.closed
             if not closed_already:
                 room = handle.room
-                handle.closed = True
-                del self._rooms[room]
-                self._retire(handle, 0.0, None)
-                if self._remember_closed:
-                    closed = self._closed
-                    closed[room] = (handle.generation, handle.state, handle.finished_at)
-                    if len(closed) >= self._remember_closed:
-                        self._closed_older, self._closed = closed, {}
+                self._tombstone(handle)
                 if self._watching["close"]:
                     notice = StateChange(self.role, room, handle.generation, "close", handle.state, None, self._clock())
                     self._outbox.append(notice)

@@ -1,8 +1,10 @@
 """The vocabulary of a transfer's lifecycle: states, roles, failure reasons.
 
 Everything here is plain data with no behaviour beyond validation, so every
-other module (the table, the machine, the manager, adapters, metrics) can
-import it without pulling anything else in.
+other module (the lifecycle declarations, the machine, the manager,
+adapters, metrics) can import it without pulling anything else in. The
+states a room passes through, `TERMINAL` and `Timeouts` are declared by a
+lifecycle (`_lifecycle.py`); this module has what every lifecycle shares.
 
 `KVPoll` keeps SGLang's integer values on purpose: servers all-reduce the
 polled status across ranks with MIN, so `Failed=0` must stay the smallest
@@ -28,12 +30,10 @@ __all__ = [
     "MAX_ROOM_ID_CHARS",
     "MAX_REASON_CHARS",
     "KVPoll",
-    "TERMINAL",
-    "NON_TERMINAL",
+    "State",
     "Role",
     "FailureKind",
     "FailureReason",
-    "Timeouts",
 ]
 
 
@@ -61,14 +61,9 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
 
-#: States no event can leave.
-TERMINAL: frozenset[KVPoll] = frozenset({KVPoll.Success, KVPoll.Failed})
-#: States a room can still move out of, in lifecycle order.
-NON_TERMINAL: tuple[KVPoll, ...] = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-)
+#: A lifecycle state: a member of its lifecycle's state enum (`KVPoll` itself for
+#: the KV lifecycle; see `kvfsm.Lifecycle`). Their values index per-state tables.
+State: TypeAlias = enum.IntEnum
 
 
 class Role(str, enum.Enum):
@@ -130,8 +125,10 @@ def bounded_message(value: str) -> str:
 
 
 def _check_state(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, KVPoll):
-        raise TypeError(f"FailureReason.state must be a kvfsm.KVPoll or None; got {value!r}")
+    if value is not None and not isinstance(value, enum.IntEnum):
+        raise TypeError(
+            f"FailureReason.state must be a kvfsm.KVPoll (or another lifecycle's state) or None; got {value!r}"
+        )
 
 
 @attrs.frozen(slots=True)
@@ -145,7 +142,7 @@ class FailureReason:
 
     kind: FailureKind = attrs.field(validator=_check_kind)
     message: str = attrs.field(default="", converter=bounded_message, validator=_check_message)
-    state: KVPoll | None = attrs.field(default=None, validator=_check_state)
+    state: State | None = attrs.field(default=None, validator=_check_state)
     from_peer: bool = attrs.field(default=False, converter=bool)
 
     def __str__(self) -> str:
@@ -156,37 +153,16 @@ class FailureReason:
 
 
 def _seconds_or_none(name: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator of a deadline in seconds (None: no deadline); the errors name `Timeouts.<name>`."""
+    if "." not in name:
+        name = f"Timeouts.{name}"
+
     def check(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
         if value is None:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"Timeouts.{name} must be a number of seconds or None; got {value!r}")
+            raise TypeError(f"{name} must be a number of seconds or None; got {value!r}")
         if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"Timeouts.{name} must be positive and finite (or None for no deadline); got {value!r}")
+            raise ConfigError(f"{name} must be positive and finite (or None for no deadline); got {value!r}")
 
     return check
-
-
-@attrs.frozen(slots=True)
-class Timeouts:
-    """Deadlines in seconds for each phase, measured from entering it.
-
-    `None` means the phase never times out. `drain` bounds how long a `Failed`
-    room waits for its backend to report writes drained before its pages are
-    considered safe to release anyway (see the release gate).
-    """
-
-    bootstrap: float | None = attrs.field(default=300.0, validator=_seconds_or_none("bootstrap"))
-    waiting: float | None = attrs.field(default=300.0, validator=_seconds_or_none("waiting"))
-    transferring: float | None = attrs.field(default=None, validator=_seconds_or_none("transferring"))
-    drain: float | None = attrs.field(default=30.0, validator=_seconds_or_none("drain"))
-
-    def for_state(self, state: KVPoll) -> float | None:
-        """The deadline of the phase `state` belongs to (None for terminal states)."""
-        if state is KVPoll.Bootstrapping:
-            return self.bootstrap
-        if state is KVPoll.WaitingForInput:
-            return self.waiting
-        if state is KVPoll.Transferring:
-            return self.transferring
-        return None

@@ -7,7 +7,14 @@
 * transfer latency: from entering Transferring (the first chunk's start)
   to the chunk flagged last landing, so every chunk counts, not the last,
 * bytes moved and throughput (GB/s per successful transfer),
-* counts per final state and per failure kind, and open rooms per state.
+* counts per final state and per failure kind, and open rooms per state,
+* the release phase: rooms and bytes whose pages are quarantined now
+  (gauges), quarantines, late proofs and operator overrides (counts).
+
+States are those of each manager's lifecycle (`kvfsm.Lifecycle`): a
+lifecycle with a `Staging` state gets its own time-in-state histogram and
+open-room gauge; success and failure are read from what each state
+reports.
 
 Histograms keep Prometheus-style cumulative buckets plus a bounded sample
 reservoir for p50/p99, so memory stays flat however many rooms pass.
@@ -19,7 +26,9 @@ publishes the same figures under conventional names: `kvfsm_transfers_total
 {role,state}`, `kvfsm_transfer_failures_total{role,kind}`,
 `kvfsm_transfer_bytes_total{role}`, `kvfsm_transfer_chunks_total{role}`,
 `kvfsm_transfer_duration_seconds{role}`, `kvfsm_state_duration_seconds
-{role,state}`, `kvfsm_rooms{role,state}`. The core never imports this
+{role,state}`, `kvfsm_rooms{role,state}`, `kvfsm_quarantined_rooms{role}`,
+`kvfsm_quarantined_bytes{role}`, `kvfsm_quarantines_total{role}`,
+`kvfsm_quarantine_releases_total{role,how}` (how: proof or override). The core never imports this
 module; nothing here imports torch.
 """
 
@@ -32,9 +41,11 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+from ._lifecycle import lifecycle_of
 from ._manager import TransferManager
 from ._observe import StateChange
-from ._states import FailureKind, KVPoll
+from ._release import PagesState
+from ._states import FailureKind, KVPoll, State
 
 __all__ = ["Histogram", "TransferMetrics", "PrometheusExporter", "DURATION_BUCKETS"]
 
@@ -116,7 +127,7 @@ class Histogram:
 class _Room:
     __slots__ = ("entered_at", "nbytes", "state", "transfer_started_at")
 
-    def __init__(self, state: KVPoll, now: float) -> None:
+    def __init__(self, state: State, now: float) -> None:
         self.state = state
         self.entered_at = now
         self.transfer_started_at: float | None = None
@@ -125,17 +136,32 @@ class _Room:
 
 class _RoleFigures:
     def __init__(self, reservoir: int) -> None:
-        self.time_in_state = {state: Histogram(reservoir=reservoir) for state in KVPoll}
+        self.reservoir = reservoir
+        # Per state of whichever lifecycles report here (the KV lifecycle's listed from the start).
+        self.time_in_state: dict[State, Histogram] = {state: Histogram(reservoir=reservoir) for state in KVPoll}
         self.transfer_latency = Histogram(reservoir=reservoir)
         self.throughput = Histogram(THROUGHPUT_BUCKETS, reservoir=reservoir)
-        self.final_states = {KVPoll.Success: 0, KVPoll.Failed: 0}
+        self.final_states: dict[State, int] = {KVPoll.Success: 0, KVPoll.Failed: 0}
         self.failure_kinds = {kind: 0 for kind in FailureKind}
-        self.open_rooms = {state: 0 for state in KVPoll}
+        self.open_rooms: dict[State, int] = {state: 0 for state in KVPoll}
         self.bytes = 0
         self.success_bytes = 0
         self.chunks = 0
         self.opened = 0
         self.closed = 0
+        self.quarantined_rooms = 0
+        self.quarantined_bytes = 0
+        self.quarantines = 0
+        self.quarantine_releases = {"proof": 0, "override": 0}
+
+    def stay(self, state: State) -> Histogram:
+        hist = self.time_in_state.get(state)
+        if hist is None:
+            hist = self.time_in_state[state] = Histogram(reservoir=self.reservoir)
+        return hist
+
+    def count_open(self, state: State, delta: int) -> None:
+        self.open_rooms[state] = self.open_rooms.get(state, 0) + delta
 
 
 class TransferMetrics:
@@ -152,6 +178,8 @@ class TransferMetrics:
         self._reservoir = reservoir
         self._roles: dict[str, _RoleFigures] = {}
         self._rooms: dict[tuple[str, Hashable, int], _Room] = {}
+        # Rooms whose pages are quarantined, with the bytes they hold (closed ones too).
+        self._quarantined: dict[tuple[str, Hashable, int], int] = {}
         self.exporter = exporter
 
     def attach(self, manager: TransferManager) -> Callable[[], None]:
@@ -167,11 +195,14 @@ class TransferMetrics:
             if figures is None:
                 figures = self._roles[role] = _RoleFigures(self._reservoir)
             event = change.event
+            if change.pages is not None:
+                self._pages(figures, key, change, exporter, role)
+                return
             if event == "open":
                 assert change.dest is not None
                 self._rooms[key] = _Room(change.dest, change.time)
                 figures.opened += 1
-                figures.open_rooms[change.dest] += 1
+                figures.count_open(change.dest, 1)
                 if exporter is not None:
                     exporter.room_entered(role, change.dest)
                 return
@@ -181,9 +212,9 @@ class TransferMetrics:
                 figures.closed += 1
                 if closed is not None:
                     # Time in the final state: how long the pages waited to be released.
-                    figures.time_in_state[closed.state].observe(change.time - closed.entered_at)
+                    figures.stay(closed.state).observe(change.time - closed.entered_at)
                 if change.source is not None:
-                    figures.open_rooms[change.source] -= 1
+                    figures.count_open(change.source, -1)
                     if exporter is not None:
                         exporter.room_left(role, change.source)
                 return
@@ -199,29 +230,58 @@ class TransferMetrics:
                     self._transfer_finished(figures, room, change.time, exporter, role)
                 return
             stay = change.time - room.entered_at
-            source = room.state
-            figures.time_in_state[source].observe(stay)
-            figures.open_rooms[source] -= 1
-            figures.open_rooms[change.dest] += 1
+            source, dest = room.state, change.dest
+            figures.stay(source).observe(stay)
+            figures.count_open(source, -1)
+            figures.count_open(dest, 1)
             if exporter is not None:
                 exporter.state_left(role, source, stay)
                 exporter.room_left(role, source)
-                exporter.room_entered(role, change.dest)
-            room.state = change.dest
+                exporter.room_entered(role, dest)
+            room.state = dest
             room.entered_at = change.time
-            if change.dest is KVPoll.Transferring:
+            lifecycle = lifecycle_of(dest)
+            report = lifecycle.reports[dest]
+            if dest in lifecycle.transfer_openers and room.transfer_started_at is None:
                 room.transfer_started_at = change.time
-            elif change.dest is KVPoll.Success:
-                figures.final_states[KVPoll.Success] += 1
+            elif report is KVPoll.Success:
+                figures.final_states[dest] = figures.final_states.get(dest, 0) + 1
                 figures.success_bytes += room.nbytes
                 if exporter is not None:
-                    exporter.finished(role, KVPoll.Success, None)
-            elif change.dest is KVPoll.Failed:
+                    exporter.finished(role, dest, None)
+            elif report is KVPoll.Failed:
                 kind = change.reason.kind if change.reason is not None else FailureKind.TRANSFER_ERROR
-                figures.final_states[KVPoll.Failed] += 1
+                figures.final_states[dest] = figures.final_states.get(dest, 0) + 1
                 figures.failure_kinds[kind] += 1
                 if exporter is not None:
-                    exporter.finished(role, KVPoll.Failed, kind)
+                    exporter.finished(role, dest, kind)
+
+    def _pages(
+        self,
+        figures: _RoleFigures,
+        key: tuple[str, Hashable, int],
+        change: StateChange,
+        exporter: PrometheusExporter | None,
+        role: str,
+    ) -> None:
+        """A step of the release phase: the quarantine gauges move."""
+        if change.pages is PagesState.QUARANTINED:
+            if key not in self._quarantined:
+                self._quarantined[key] = change.nbytes
+                figures.quarantined_rooms += 1
+                figures.quarantined_bytes += change.nbytes
+                figures.quarantines += 1
+                if exporter is not None:
+                    exporter.quarantine(role, change.nbytes, 1)
+        elif change.pages is PagesState.RELEASED:
+            nbytes = self._quarantined.pop(key, None)
+            if nbytes is not None:
+                how = "override" if change.event == "override" else "proof"
+                figures.quarantined_rooms -= 1
+                figures.quarantined_bytes -= nbytes
+                figures.quarantine_releases[how] += 1
+                if exporter is not None:
+                    exporter.quarantine(role, nbytes, -1, how)
 
     def _transfer_finished(
         self, figures: _RoleFigures, room: _Room, now: float, exporter: PrometheusExporter | None, role: str
@@ -255,6 +315,10 @@ class TransferMetrics:
             },
             "transfer_latency_s": figures.transfer_latency.summary(),
             "throughput_gbps": figures.throughput.summary(),
+            "quarantined_rooms": figures.quarantined_rooms,
+            "quarantined_bytes": figures.quarantined_bytes,
+            "quarantines": figures.quarantines,
+            "quarantine_releases": dict(figures.quarantine_releases),
         }
 
 
@@ -288,14 +352,30 @@ class PrometheusExporter:
             "state_duration_seconds", "Time spent in a state", ["role", "state"], buckets=DURATION_BUCKETS, **kw
         )
         self.rooms = prom.Gauge("rooms", "Open rooms per state", ["role", "state"], **kw)
+        self.quarantined_rooms = prom.Gauge(
+            "quarantined_rooms", "Rooms whose pages are quarantined (no proof their writes stopped)", ["role"], **kw
+        )
+        self.quarantined_bytes = prom.Gauge("quarantined_bytes", "Bytes of quarantined pages", ["role"], **kw)
+        self.quarantines = prom.Counter("quarantines", "Rooms whose pages were quarantined", ["role"], **kw)
+        self.quarantine_releases = prom.Counter(
+            "quarantine_releases", "Quarantined rooms released, by a late proof or an override", ["role", "how"], **kw
+        )
 
-    def room_entered(self, role: str, state: KVPoll) -> None:
+    def room_entered(self, role: str, state: State) -> None:
         self.rooms.labels(role, state.name).inc()
 
-    def room_left(self, role: str, state: KVPoll) -> None:
+    def room_left(self, role: str, state: State) -> None:
         self.rooms.labels(role, state.name).dec()
 
-    def state_left(self, role: str, state: KVPoll, seconds: float) -> None:
+    def quarantine(self, role: str, nbytes: int, rooms: int, how: str | None = None) -> None:
+        self.quarantined_rooms.labels(role).inc(rooms)
+        self.quarantined_bytes.labels(role).inc(nbytes * rooms)
+        if rooms > 0:
+            self.quarantines.labels(role).inc()
+        elif how is not None:
+            self.quarantine_releases.labels(role, how).inc()
+
+    def state_left(self, role: str, state: State, seconds: float) -> None:
         self.state_duration.labels(role, state.name).observe(seconds)
 
     def chunk(self, role: str, nbytes: int) -> None:
@@ -305,7 +385,7 @@ class PrometheusExporter:
     def transfer(self, role: str, seconds: float) -> None:
         self.duration.labels(role).observe(seconds)
 
-    def finished(self, role: str, state: KVPoll, kind: FailureKind | None) -> None:
+    def finished(self, role: str, state: State, kind: FailureKind | None) -> None:
         self.transfers.labels(role, state.name).inc()
         if kind is not None:
             self.failures.labels(role, kind.value).inc()

@@ -43,7 +43,9 @@ from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
 import kvfsm
+from kvfsm._lifecycle import KV_LIFECYCLE, Lifecycle, lifecycle_by_name
 from kvfsm._machine import lifecycle_machine
+from kvfsm._release import RELEASE_TABLE
 from kvfsm.backends import wire
 from kvfsm.tools import diagrams
 from kvfsm.tools.cli import COMMANDS, main
@@ -110,6 +112,11 @@ def _figure(svg: str, prefix: str, caption: str, data: str) -> list[nodes.Node]:
     return [nodes.raw("", markup, format="html"), fallback]
 
 
+def _lifecycle_option(arg: str | None) -> Lifecycle:
+    """``:lifecycle: module:NAME`` names a declared lifecycle (default: the KV lifecycle)."""
+    return lifecycle_by_name(str(directives.unchanged_required(arg or "")))
+
+
 class DiagramDirective(SphinxDirective):
     """``kvfsm-diagram``: the lifecycle diagram of a role, drawn now from the machine."""
 
@@ -118,37 +125,77 @@ class DiagramDirective(SphinxDirective):
         "role": lambda arg: directives.choice(arg, [r.value for r in kvfsm.Role]),
         "highlight": directives.unchanged,
         "caption": directives.unchanged,
+        "lifecycle": _lifecycle_option,
     }
 
     def run(self) -> list[nodes.Node]:
         role = self.options.get("role", "sender")
         highlight = self.options.get("highlight")
+        lifecycle: Lifecycle = self.options.get("lifecycle", KV_LIFECYCLE)
         caption = self.options.get("caption", f"The {role} lifecycle, drawn from the machine kvfsm runs.")
-        prefix = f"kvfsm-{role}-{highlight or 'plain'}".lower()
+        name = "" if lifecycle is KV_LIFECYCLE else f"{lifecycle.name}-"
+        prefix = f"kvfsm-{name}{role}-{highlight or 'plain'}".lower()
         try:
-            svg = diagrams.render_text(role, "svg", highlight=highlight)
+            svg = diagrams.render_text(role, "svg", highlight=highlight, lifecycle=lifecycle)
         except diagrams.GraphvizMissing as exc:
             logger.warning("kvfsm-diagram: %s; showing the mermaid source instead", exc, location=self.get_location())
-            source = diagrams.render_text(role, "mermaid", highlight=highlight)
+            source = diagrams.render_text(role, "mermaid", highlight=highlight, lifecycle=lifecycle)
             return [nodes.literal_block(source, source, language="text")]
         return _figure(svg, prefix, caption, f'data-role="{role}"')
 
 
 class TransitionsDirective(SphinxDirective):
-    """``kvfsm-transitions``: the declaration `kvfsm.TRANSITIONS`, row by row."""
+    """``kvfsm-transitions``: a lifecycle's declaration (default `kvfsm.TRANSITIONS`), row by row."""
 
     has_content = False
+    option_spec: ClassVar[dict[str, Any]] = {"lifecycle": _lifecycle_option}
 
     def run(self) -> list[nodes.Node]:
+        lifecycle: Lifecycle = self.options.get("lifecycle", KV_LIFECYCLE)
         rows = []
-        for spec in kvfsm.TRANSITIONS:
-            if set(spec.sources) == set(kvfsm.NON_TERMINAL):
+        for spec in lifecycle.transitions:
+            if set(spec.sources) == set(lifecycle.non_terminal):
                 sources = _cell("any non-terminal state")
             else:
                 sources = _cell(*_joined(_literal(s.name) for s in spec.sources))
             dest = _cell(_literal(spec.dest.name)) if spec.dest is not None else _cell("(stays: progress only)")
             rows.append([_cell(_literal(spec.event)), sources, dest, _cell(spec.doc)])
         return [_table(["event", "from", "to", "meaning"], rows, [18, 24, 18, 40], ["kvfsm-transitions"])]
+
+
+class StatesDirective(SphinxDirective):
+    """``kvfsm-states``: a lifecycle's states: what each reports to SGLang, its deadline phase and default."""
+
+    has_content = False
+    option_spec: ClassVar[dict[str, Any]] = {"lifecycle": _lifecycle_option}
+
+    def run(self) -> list[nodes.Node]:
+        lifecycle: Lifecycle = self.options.get("lifecycle", KV_LIFECYCLE)
+        rows = []
+        for spec in lifecycle.state_specs:
+            kind = "failure (terminal)" if spec.failure else "terminal" if spec.terminal else "live"
+            if lifecycle.State[spec.name] is lifecycle.initial:
+                kind += ", initial"
+            phase = _cell(_literal(f"Timeouts.{spec.phase}"), f" = {spec.timeout}") if spec.phase else _cell("-")
+            rows.append(
+                [_cell(_literal(spec.name)), _cell(kind), _cell(_literal(spec.reports.name)), phase, _cell(spec.doc)]
+            )
+        header = ["state", "kind", "reports (KVPoll)", "deadline", "meaning"]
+        return [_table(header, rows, [16, 16, 16, 22, 30], ["kvfsm-states"])]
+
+
+class ReleaseRowsDirective(SphinxDirective):
+    """``kvfsm-release-rows``: the release phase of a room's pages (`kvfsm._release.RELEASE_TABLE`)."""
+
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        rows = []
+        for row in RELEASE_TABLE.rows:
+            sources = _cell(*_joined(_literal(s.value) for s in row.sources if s is not None))
+            dest = _cell(_literal(row.dest.value)) if row.dest is not None else _cell("-")
+            rows.append([_cell(_literal(row.input)), sources, dest, _cell(row.doc)])
+        return [_table(["step", "from", "to", "meaning"], rows, [20, 22, 14, 44], ["kvfsm-release-rows"])]
 
 
 def _joined(items: Any) -> list[nodes.Node | str]:
@@ -454,6 +501,8 @@ class CliReferenceDirective(SphinxDirective):
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("kvfsm-diagram", DiagramDirective)
     app.add_directive("kvfsm-transitions", TransitionsDirective)
+    app.add_directive("kvfsm-states", StatesDirective)
+    app.add_directive("kvfsm-release-rows", ReleaseRowsDirective)
     app.add_directive("kvfsm-event-matrix", EventMatrixDirective)
     app.add_directive("kvfsm-cli-reference", CliReferenceDirective)
     app.add_directive("kvfsm-wire-diagram", WireDiagramDirective)

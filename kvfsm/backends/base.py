@@ -7,8 +7,8 @@ each room. The split is strict:
   machine's hooks write the status table.
 * An adapter talks back **only** through events on the room's
   `TransferHandle`: `bootstrapped()`, `transfer_started()`,
-  `chunk_done(nbytes, last)`, `transfer_done()`, `fail(FailureReason)` and
-  `writes_drained()`. It never assigns a status and never aborts a room by
+  `chunk_done(nbytes, last)`, `transfer_done()`, `fail(FailureReason)`,
+  and the release phase's proofs `writes_drained()` and `fenced(why)`. It never assigns a status and never aborts a room by
   itself (it reports `fail(...)` and the core decides).
 * Abort lives once, in the core: `handle.abort()` (or `timeout`, or a
   `fail` from anywhere) moves the room to `Failed`. `KVBackend` subscribes
@@ -16,7 +16,13 @@ each room. The split is strict:
   adapter's `_stop(handle)` exactly once. The adapter stops issuing writes
   for that room and calls `handle.writes_drained()` once none of its writes
   into the room's pages can still land (immediately if nothing was in
-  flight). That opens the release gate.
+  flight), or `handle.fenced(why)` when the engine says the peer that
+  could write is gone (its connection closed, its process gone, its next
+  incarnation holds no writes). Either proof releases the room's pages;
+  without one by the drain deadline they are quarantined, never freed on
+  a timer (`_release.py`). Every room this endpoint bootstrapped gets
+  exactly one `_stop` when it fails, whatever the order of fail, close and
+  a reopening of the same id (rule 16): rooms are tracked per generation.
 * Notices reach observers after the manager's lock is released, on
   whichever thread is dispatching, so `_stop` can run a little after the
   room failed. An adapter that fails a room itself calls
@@ -104,7 +110,10 @@ class KVBackend(abc.ABC):
         self.manager = manager
         self.role: Role = manager.role
         self.pools: KVPools | None = None
+        # The newest bootstrapped generation of each room id (what adapters look rooms up by),
+        # and every generation not yet closed, so an older one's failure still stops it.
         self._rooms: dict[Hashable, TransferHandle] = {}
+        self._known: dict[tuple[Hashable, int], TransferHandle] = {}
         self._rooms_lock = threading.Lock()
         self._stopped: set[tuple[Hashable, int]] = set()
         self._closed = False
@@ -172,11 +181,12 @@ class KVBackend(abc.ABC):
         if not isinstance(peer, str):
             self._reject(handle, f"bootstrap peer must be an address string; got {type(peer).__name__}: {peer!r}")
         with self._rooms_lock:
-            if self._rooms.get(handle.room) is handle:
+            if self._known.get((handle.room, handle.generation)) is handle:
                 duplicate = True
             else:
                 duplicate = False
                 self._rooms[handle.room] = handle
+                self._known[handle.room, handle.generation] = handle
         if duplicate:
             self._reject(handle, "bootstrap() was already called for this room")
         if handle.state is KVPoll.Failed:
@@ -194,6 +204,8 @@ class KVBackend(abc.ABC):
         if handle.state is KVPoll.Bootstrapping:
             self._reject(handle, "expect() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "destination pages")
+        assert self.pools is not None
+        handle.holds(len(checked) * self.pools.page_nbytes)  # what a quarantine of this room counts
         self._expect(handle, checked, aux)
 
     def send(
@@ -217,6 +229,8 @@ class KVBackend(abc.ABC):
         if handle.state is KVPoll.Bootstrapping:
             self._reject(handle, "send() before the room finished bootstrapping (poll for WaitingForInput first)")
         checked, aux = self._check_indices(handle, pages, aux_index, "source pages")
+        assert self.pools is not None
+        handle.holds(handle.pages_nbytes + len(checked) * self.pools.page_nbytes)
         self._send(handle, checked, bool(last), aux)
 
     def close(self) -> None:
@@ -229,7 +243,7 @@ class KVBackend(abc.ABC):
         if self._closed:
             return
         with self._rooms_lock:
-            live = [h for h in self._rooms.values() if not h.closed and not h.is_terminal]
+            live = [h for h in self._known.values() if not h.closed and not h.is_terminal]
         reason = FailureReason(FailureKind.TRANSFER_ERROR, f"the {self.name} backend at {self.address} was closed")
         for handle in live:
             self._fail(handle, reason)
@@ -315,7 +329,7 @@ class KVBackend(abc.ABC):
         return self._expected_pages(handle)
 
     def handle_of(self, room: Hashable) -> TransferHandle | None:
-        """The handle this backend knows for `room`, if bootstrapped and not closed."""
+        """The newest handle this backend knows for `room`, if bootstrapped and not closed."""
         return self._rooms.get(room)
 
     # -- the core's side: failures and closes reach the adapter -----------------------------
@@ -328,7 +342,7 @@ class KVBackend(abc.ABC):
         thread, and the adapter must not go on writing meanwhile.
         """
         changed = handle.fail(reason)
-        if handle.state is KVPoll.Failed and self._rooms.get(handle.room) is handle:
+        if handle.state is KVPoll.Failed and self._known.get((handle.room, handle.generation)) is handle:
             self._stop_once(handle)
         return changed
 
@@ -341,15 +355,23 @@ class KVBackend(abc.ABC):
         self._stop(handle)
 
     def _observe(self, change: StateChange) -> None:
-        if change.dest is KVPoll.Failed:
-            handle = self._rooms.get(change.room)
-            if handle is not None and handle.generation == change.generation:
-                self._stop_once(handle)
-        elif change.event == "close":
+        # By (room, generation): a later generation bootstrapped meanwhile does not hide this one.
+        key = (change.room, change.generation)
+        if change.event == "close":
             with self._rooms_lock:
-                handle = self._rooms.get(change.room)
-                if handle is None or handle.generation != change.generation:
+                handle = self._known.pop(key, None)
+                if handle is None:
                     return
-                del self._rooms[change.room]
-                self._stopped.discard((change.room, change.generation))
+                if self._rooms.get(change.room) is handle:
+                    del self._rooms[change.room]
+            # A room closed before its Failed notice came (a reaper's timeout and a close racing)
+            # still gets its stop; then it is forgotten.
+            if handle.state is KVPoll.Failed:
+                self._stop_once(handle)
+            with self._rooms_lock:
+                self._stopped.discard(key)
             self._forget(handle)
+        elif change.dest is KVPoll.Failed:
+            handle = self._known.get(key)
+            if handle is not None:
+                self._stop_once(handle)

@@ -67,11 +67,12 @@ Frames (`codec.py`)
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
+from .._rows import Row, Table
 from .._states import MAX_INT_ROOM_ID, MAX_REASON_CHARS, MAX_ROOM_ID_CHARS, MIN_INT_ROOM_ID
 
 __all__ = [
@@ -342,44 +343,12 @@ class PrefillRoom(str, enum.Enum):
     ORPHANED = "orphaned"
 
 
-@attrs.frozen(slots=True)
-class WireRow:
-    """`input` moves a record from any of `sources` to `dest`, sending `sends` (in that order).
-
-    A source of None is a record that does not exist yet; a `dest` of None
-    drops the record.
-    """
-
-    input: str
-    sources: tuple[enum.Enum | None, ...]
-    dest: enum.Enum | None
-    sends: tuple[str, ...]
-    doc: str
-
-
-@attrs.frozen(slots=True)
-class WireTable:
-    """One kind of wire record: its states, its rows, and the step function over them."""
-
-    name: str
-    states: type[enum.Enum]
-    rows: tuple[WireRow, ...]
-    doc: str
-    index: Mapping[tuple[enum.Enum | None, str], WireRow] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        index: dict[tuple[enum.Enum | None, str], WireRow] = {}
-        for row in self.rows:
-            for source in row.sources:
-                key = (source, row.input)
-                if key in index:
-                    raise ValueError(f"{self.name}: two rows for {row.input!r} in {source}")
-                index[key] = row
-        object.__setattr__(self, "index", index)
-
-    def row(self, state: enum.Enum | None, input: str) -> WireRow | None:
-        """The row `input` takes in `state` (None: a new record), or None when not allowed there."""
-        return self.index.get((state, input))
+# The wire's tables are kvfsm's one table mechanism (`_rows.py`), the same row
+# type and step as a lifecycle's, the release phase's and the SGLang request
+# view's: `input` moves a record from any of `sources` (None: a record that
+# does not exist yet) to `dest` (None: the record is dropped), sending `sends`.
+WireRow = Row
+WireTable = Table
 
 
 _D = DecodeWire

@@ -34,8 +34,9 @@ jumps past deadlines and page releases, and checks after every step:
   a successful transfer arrived intact, in order.
 
 `LifecycleConformance` runs the same rules (and an exact model of the
-transition table) against a bare `TransferManager`, no adapter needed: a
-manager subclass or another engine can be checked with it too.
+declared lifecycle and of the release phase) against a bare
+`TransferManager`, no adapter needed: a manager subclass, another engine
+or another declared lifecycle (`lifecycle = ...`) can be checked with it.
 
 The strategies (`room_ids`, `failure_reasons`, `events`,
 `event_sequences`, `faults`, `timeouts`) are public for authors' own
@@ -59,6 +60,7 @@ from .strategies import (
     expected_state,
     failure_reasons,
     faults,
+    happy_events,
     room_ids,
     timeouts,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "faults",
     "timeouts",
     "expected_state",
+    "happy_events",
     "BackendPair",
     "LifecycleConformance",
     "BackendConformance",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .._errors import KVTransferError, UnknownRoom
 from .._manager import TransferHandle, TransferManager
-from .._states import NON_TERMINAL, TERMINAL, FailureKind, FailureReason, KVPoll
+from .._states import FailureKind, FailureReason, State
 from .strategies import ManualClock
 
 
@@ -19,13 +19,13 @@ class RoomLedger:
     """What the kit remembers per handle: the first terminal state it saw."""
 
     def __init__(self) -> None:
-        self.final: dict[int, tuple[TransferHandle, KVPoll]] = {}
+        self.final: dict[int, tuple[TransferHandle, State]] = {}
 
     def observe(self, handle: TransferHandle) -> None:
         state = handle.state
         seen = self.final.get(id(handle))
         if seen is None:
-            if state in TERMINAL:
+            if state in handle.lifecycle.terminal:
                 self.final[id(handle)] = (handle, state)
             return
         assert state is seen[1], (
@@ -52,18 +52,23 @@ def check_agreement(manager: TransferManager, handles: list[TransferHandle]) -> 
         except UnknownRoom:
             continue
         if handle.state is before and not handle.closed and current is handle:
-            assert table is before, (
-                f"rule 1 broken: room {handle.room!r} handle says {before.name}, table says {table.name}"
+            reported = handle.lifecycle.reports[before]
+            assert table is reported, (
+                f"rule 1 broken: room {handle.room!r} handle says {before.name} (reports {reported.name}), "
+                f"table says {table.name}"
             )
 
 
 def check_failure(handle: TransferHandle) -> None:
     """Rule 8: a Failed room has a structured reason and raises it."""
-    if handle.closed or handle.state is not KVPoll.Failed:
+    lifecycle = handle.lifecycle
+    if handle.closed or handle.state is not lifecycle.failure:
         return
     reason = handle.reason
     assert isinstance(reason, FailureReason), f"room {handle.room!r} is Failed without a FailureReason"
-    assert reason.state in NON_TERMINAL, f"room {handle.room!r}: reason.state {reason.state!r} is not where it failed"
+    assert reason.state in lifecycle.non_terminal, (
+        f"room {handle.room!r}: reason.state {reason.state!r} is not where it failed"
+    )
     raised = raised_by(handle.failure_exception)
     assert isinstance(raised, KVTransferError), f"failure_exception() of room {handle.room!r} raised {raised!r}"
     assert (raised.room, raised.reason) == (handle.room, reason)
@@ -93,9 +98,9 @@ def check_deadlines(manager: TransferManager, clock: ManualClock, handles: list[
             reason = handle.reason
             assert reason is not None
             assert reason.kind is FailureKind.TIMEOUT, f"room {handle.room!r} expired with reason {reason}"
-            assert reason.state in NON_TERMINAL
+            assert reason.state in manager.lifecycle.non_terminal
             assert "deadline" in reason.message, f"a timeout must name the phase deadline; got {reason.message!r}"
-        if state in TERMINAL:
+        if state in manager.lifecycle.terminal:
             continue
         limit = manager.timeouts.for_state(state)
         if limit is not None:

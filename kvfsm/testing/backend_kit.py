@@ -16,8 +16,9 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from .._lifecycle import TERMINAL, Timeouts
 from .._manager import TransferHandle, TransferManager
-from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, Timeouts
+from .._states import FailureKind, FailureReason, KVPoll, Role
 from ._checks import RoomLedger, check_agreement, check_deadlines, check_failure
 from .strategies import ManualClock, failure_reasons
 

@@ -3,7 +3,9 @@
 Public for backend authors' own property tests, and what both conformance
 kits draw from: room ids, failure reasons, handle events and sequences of
 them, faults, `Timeouts`, and `expected_state`, the exact model of the
-declared transition table the kits check the manager against.
+declared transition table the kits check the manager against. Every
+strategy takes a `lifecycle` (default `KV_LIFECYCLE`): the events, the
+happy path and the timeouts are read from its declaration.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from collections.abc import Callable
 import attrs
 from hypothesis import strategies as st
 
+from .._lifecycle import KV_LIFECYCLE, Lifecycle, PhaseTimeouts
 from .._manager import TransferHandle
-from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Timeouts
-from .._table import EVENTS, TRANSITIONS
+from .._states import FailureKind, FailureReason, KVPoll, State
 
 __all__ = [
     "ManualClock",
@@ -28,6 +30,7 @@ __all__ = [
     "faults",
     "timeouts",
     "expected_state",
+    "happy_events",
 ]
 
 
@@ -75,8 +78,6 @@ class Event:
 
     def apply(self, handle: TransferHandle) -> bool:
         """Fire it; returns what the handle returned (True when the event changed the room)."""
-        if self.name == "chunk_done":
-            return handle.chunk_done(self.nbytes, self.last)
         if self.name == "fail":
             assert self.reason is not None
             return handle.fail(self.reason)
@@ -84,18 +85,23 @@ class Event:
             return handle.abort(self.reason.message if self.reason is not None else "aborted")
         if self.name == "timeout":
             raise ValueError("timeout is fired by the manager's clock, not by a handle; advance the clock instead")
-        method: Callable[[], bool] = getattr(handle, self.name)
+        method: Callable[..., bool] = getattr(handle, self.name)
+        spec = handle.lifecycle.event_specs.get(self.name)
+        if spec is not None and spec.internal:
+            values = {"nbytes": self.nbytes, "last": self.last}
+            return method(*(values[arg.name] for arg in spec.args))
         return method()
 
 
-_HANDLE_EVENTS = tuple(name for name in EVENTS if name != "timeout")
+def _handle_events(lifecycle: Lifecycle) -> tuple[str, ...]:
+    return tuple(name for name in lifecycle.events if name != "timeout")
 
 
-def events(names: tuple[str, ...] = _HANDLE_EVENTS) -> st.SearchStrategy[Event]:
-    """Any event a handle accepts, with random arguments (in or out of order)."""
+def events(names: tuple[str, ...] | None = None, *, lifecycle: Lifecycle = KV_LIFECYCLE) -> st.SearchStrategy[Event]:
+    """Any event a handle of `lifecycle` accepts, with random arguments (in or out of order)."""
 
     def build(name: str) -> st.SearchStrategy[Event]:
-        if name == "chunk_done":
+        if lifecycle.is_internal(name):
             return st.builds(Event, st.just(name), nbytes=st.integers(0, 1 << 20), last=st.booleans())
         if name == "fail":
             return st.builds(Event, st.just(name), reason=failure_reasons())
@@ -107,20 +113,38 @@ def events(names: tuple[str, ...] = _HANDLE_EVENTS) -> st.SearchStrategy[Event]:
             )
         return st.just(Event(name))
 
-    return st.sampled_from(names).flatmap(build)
+    return st.sampled_from(names if names is not None else _handle_events(lifecycle)).flatmap(build)
 
 
-def event_sequences(max_size: int = 12, happy_bias: bool = True) -> st.SearchStrategy[list[Event]]:
+def happy_events(lifecycle: Lifecycle = KV_LIFECYCLE) -> list[Event]:
+    """The lifecycle's shortest way to success, with a progress event wherever one is accepted."""
+    out: list[Event] = []
+    state = lifecycle.initial
+    for name in lifecycle.forward_events(state, KVPoll.Success):
+        for progress, spec in lifecycle.event_specs.items():
+            if spec.internal and state.name in spec.sources:
+                out.append(Event(progress, 4096, True))
+        out.append(Event(name))
+        for t in lifecycle.transitions:
+            if t.event == name and state in t.sources:
+                state = t.dest
+                break
+    return out
+
+
+def event_sequences(
+    max_size: int = 12, happy_bias: bool = True, *, lifecycle: Lifecycle = KV_LIFECYCLE
+) -> st.SearchStrategy[list[Event]]:
     """Sequences of events; with `happy_bias`, often the happy path with faults spliced in."""
-    random_sequences = st.lists(events(), max_size=max_size)
+    random_sequences = st.lists(events(lifecycle=lifecycle), max_size=max_size)
     if not happy_bias:
         return random_sequences
-    happy = [Event("bootstrapped"), Event("transfer_started"), Event("chunk_done", 4096, True), Event("transfer_done")]
+    happy = happy_events(lifecycle)
 
     @st.composite
     def spliced(draw: st.DrawFn) -> list[Event]:
         prefix = happy[: draw(st.integers(0, len(happy)))]
-        return prefix + draw(st.lists(events(), max_size=max(0, max_size - len(prefix))))
+        return prefix + draw(st.lists(events(lifecycle=lifecycle), max_size=max(0, max_size - len(prefix))))
 
     return st.one_of(random_sequences, spliced())
 
@@ -150,22 +174,26 @@ def faults(max_seconds: float = 600.0) -> st.SearchStrategy[Fault]:
     )
 
 
-def timeouts(max_seconds: float = 600.0) -> st.SearchStrategy[Timeouts]:
-    """Phase timeouts, each a positive number of seconds or None."""
+def timeouts(max_seconds: float = 600.0, *, lifecycle: Lifecycle = KV_LIFECYCLE) -> st.SearchStrategy[PhaseTimeouts]:
+    """Timeouts of `lifecycle`'s phases and `drain`, each a positive number of seconds or None."""
     seconds = st.one_of(st.none(), st.floats(min_value=0.5, max_value=max_seconds, allow_nan=False))
-    return st.builds(Timeouts, bootstrap=seconds, waiting=seconds, transferring=seconds, drain=seconds)
+    fields = {phase: seconds for phase in lifecycle.phases}
+    return st.builds(lifecycle.Timeouts, **fields, drain=seconds)
 
 
-def expected_state(state: KVPoll, event: str, *, strict: bool = False) -> KVPoll | None:
-    """What the declared table says `event` does in `state`.
+def expected_state(
+    state: State, event: str, *, strict: bool = False, lifecycle: Lifecycle = KV_LIFECYCLE
+) -> State | None:
+    """What the declared lifecycle says `event` does in `state`.
 
     The new state; `state` itself for an internal transition or an event
-    absorbed by a terminal state; `Failed` for an out-of-order event (rule
-    3); None in strict mode, where an out-of-order event must raise.
+    absorbed by a terminal state; the failure state for an out-of-order
+    event (rule 3); None in strict mode, where an out-of-order event must
+    raise.
     """
-    for spec in TRANSITIONS:
+    for spec in lifecycle.transitions:
         if spec.event == event and state in spec.sources:
             return spec.dest if spec.dest is not None else state
-    if state in TERMINAL:
+    if state in lifecycle.terminal:
         return state
-    return None if strict else KVPoll.Failed
+    return None if strict else lifecycle.failure

@@ -25,9 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._lifecycle import Timeouts
 from .._machine import build_machine
 from .._manager import TransferManager
-from .._states import FailureReason, KVPoll, Role, RoomId, Timeouts
+from .._release import PagesState
+from .._states import FailureReason, KVPoll, Role, RoomId
 from .._status import StatusTable, retire
 
 __all__ = [
@@ -190,6 +192,8 @@ class _TransitionsRecord:
         self.entered_at = self.opened_at = 0.0
         self.transfer_started_at: float | None = None
         self.finished_at: float | None = None
+        self.pages_state = PagesState.HELD
+        self.pages_nbytes = self.nbytes = 0
         self._table = table
 
 

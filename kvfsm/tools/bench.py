@@ -39,8 +39,9 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._lifecycle import Timeouts
 from .._manager import TransferHandle, TransferManager
-from .._states import FailureKind, KVPoll, RoomId, Timeouts
+from .._states import FailureKind, KVPoll, RoomId
 from ._baselines import (
     BOOTSTRAPPING,
     SGLangStyleManager,

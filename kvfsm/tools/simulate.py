@@ -68,9 +68,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from .._lifecycle import TERMINAL, Timeouts
 from .._manager import TransferHandle, TransferManager
 from .._observe import StateChange
-from .._states import TERMINAL, FailureKind, FailureReason, KVPoll, Timeouts
+from .._states import FailureKind, FailureReason, KVPoll
 from ..metrics import TransferMetrics
 from ._cliargs import UsageError, output_path, positive_int, positive_seconds, rate
 from ._simulation import (

@@ -198,9 +198,16 @@ class _Endpoint:
             "from_peer": reason.from_peer if reason else None,
             "message": reason.message if reason else None,
             "release_safe": handle.release_safe,
+            "pages": handle.pages_state.value,
+            "quarantined": self.manager.stats.quarantined,
             "nbytes": handle.nbytes,
             "chunks": handle.chunks,
         }
+
+    def fence(self, room: Any, why: str) -> dict[str, Any]:
+        """The engine's word that the room's peer is gone (a proof that no write can land)."""
+        self.handles[room].fenced(why)
+        return self.info(room)
 
     def wait(self, room: Any, states: list[str], timeout: float) -> dict[str, Any]:
         """Wait until the room is in one of `states`; returns info plus the seconds waited."""

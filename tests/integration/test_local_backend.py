@@ -318,7 +318,7 @@ class SilentBackend(FakeBackend):
         return
 
 
-def test_drain_deadline_releases_when_a_backend_never_drains() -> None:
+def test_drain_deadline_quarantines_when_a_backend_never_drains() -> None:
     clock = FakeClock()
     manager = kvfsm.TransferManager("receiver", timeouts=kvfsm.Timeouts(drain=5.0), clock=clock)
     backend = SilentBackend(manager)
@@ -329,8 +329,10 @@ def test_drain_deadline_releases_when_a_backend_never_drains() -> None:
     clock.advance(4.9)
     assert not manager.release_safe(1)
     clock.advance(0.2)
-    assert manager.release_safe(1)
-    assert manager.stats.drain_deadline_releases == 1
+    # No proof, so the pages are quarantined, not released (issue 24: this used to answer True).
+    assert not manager.release_safe(1)
+    assert recv.pages_state is kvfsm.PagesState.QUARANTINED and manager.stats.quarantined == 1
+    assert manager.stats.drain_deadline_releases == 0
 
 
 # -- bad input ------------------------------------------------------------------------------------

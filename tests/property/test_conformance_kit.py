@@ -1,4 +1,4 @@
-"""The conformance kit run against what ships: the bare manager (both engines, strict too)."""
+"""The conformance kit run against what ships: the bare manager (both engines, strict too), for every shipped lifecycle."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import ClassVar
 import pytest
 from hypothesis import Phase, given, settings
 
-from kvfsm import KVPoll, Role, TransferManager
+from kvfsm import KVPoll, Lifecycle, Role, TransferManager
+from kvfsm.lifecycles import KV_OFFLOAD_LIFECYCLE, STAGED_KV_LIFECYCLE
 from kvfsm.testing import (
     Event,
     LifecycleConformance,
@@ -28,20 +29,61 @@ class TransitionsEngineConformance(LifecycleConformance):
     role: ClassVar[Role] = Role.SENDER
 
     def make_manager(self, clock: ManualClock) -> TransferManager:
-        return TransferManager(self.role, timeouts=self.timeouts_under_test, clock=clock, engine="transitions")
+        return TransferManager(
+            self.role,
+            lifecycle=self.lifecycle,
+            timeouts=self.timeouts_for_lifecycle(),
+            clock=clock,
+            engine="transitions",
+        )
 
 
 class StrictConformance(LifecycleConformance):
     strict: ClassVar[bool] = True
 
 
+class TimerReleaseConformance(LifecycleConformance):
+    """The opt-in on_drain_deadline="release": the drain deadline frees the pages (the old behaviour)."""
+
+    on_drain_deadline: ClassVar[str] = "release"
+
+
+class StagedCompiled(LifecycleConformance):
+    lifecycle: ClassVar[Lifecycle] = STAGED_KV_LIFECYCLE
+
+
+class StagedTransitions(TransitionsEngineConformance):
+    lifecycle: ClassVar[Lifecycle] = STAGED_KV_LIFECYCLE
+
+
+class OffloadCompiled(LifecycleConformance):
+    lifecycle: ClassVar[Lifecycle] = KV_OFFLOAD_LIFECYCLE
+
+
+class OffloadTransitions(TransitionsEngineConformance):
+    lifecycle: ClassVar[Lifecycle] = KV_OFFLOAD_LIFECYCLE
+
+
+class OffloadStrict(StrictConformance):
+    lifecycle: ClassVar[Lifecycle] = KV_OFFLOAD_LIFECYCLE
+
+
 TestCompiledEngine = CompiledEngineConformance.TestCase
 TestTransitionsEngine = TransitionsEngineConformance.TestCase
 TestStrictMode = StrictConformance.TestCase
+TestTimerRelease = TimerReleaseConformance.TestCase
+TestStagedCompiled = StagedCompiled.TestCase
+TestStagedTransitions = StagedTransitions.TestCase
+TestOffloadCompiled = OffloadCompiled.TestCase
+TestOffloadTransitions = OffloadTransitions.TestCase
+TestOffloadStrict = OffloadStrict.TestCase
 # The model checks every rule after every step: half the profile's examples keep CI under a minute here.
 TestCompiledEngine.settings = settings(max_examples=max(10, settings().max_examples // 2))
 TestTransitionsEngine.settings = settings(max_examples=max(10, settings().max_examples // 3))
 TestStrictMode.settings = settings(max_examples=max(10, settings().max_examples // 2))
+for _case in (TestTimerRelease, TestStagedCompiled, TestStagedTransitions, TestOffloadCompiled, TestOffloadTransitions):
+    _case.settings = settings(max_examples=max(10, settings().max_examples // 4))
+TestOffloadStrict.settings = settings(max_examples=max(10, settings().max_examples // 5))
 
 
 @given(event_sequences())
@@ -87,7 +129,9 @@ def test_the_kit_catches_a_broken_manager() -> None:
     class BrokenConformance(LifecycleConformance):
         def make_manager(self, clock: ManualClock) -> TransferManager:
             # The transitions engine has no generated fast path: every event goes through _fire.
-            return ForgetfulManager(self.role, timeouts=self.timeouts_under_test, clock=clock, engine="transitions")
+            return ForgetfulManager(
+                self.role, timeouts=self.timeouts_for_lifecycle(), clock=clock, engine="transitions"
+            )
 
     case = BrokenConformance.TestCase
     # Only that the kit fails matters, not the smallest failing run (shrinking is the cost).
@@ -96,3 +140,13 @@ def test_the_kit_catches_a_broken_manager() -> None:
     )
     with pytest.raises(AssertionError):
         case("runTest").runTest()
+
+
+@given(event_sequences(lifecycle=KV_OFFLOAD_LIFECYCLE))
+def test_replaying_an_offload_sequence_follows_its_declaration(sequence: list[Event]) -> None:
+    manager = TransferManager("sender", lifecycle=KV_OFFLOAD_LIFECYCLE, clock=ManualClock())
+    handle = manager.open(1)
+    for event in sequence:
+        expected = expected_state(handle.state, event.name, lifecycle=KV_OFFLOAD_LIFECYCLE)
+        event.apply(handle)
+        assert handle.state is expected

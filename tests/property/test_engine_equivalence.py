@@ -16,6 +16,11 @@ ticks over several rooms, these must agree:
 Observers force the compiled engine off its fast path, so each program also
 runs on an unobserved compiled manager (the fast path) and an unobserved
 `transitions` one, whose writes, results and snapshots must match too.
+
+Every program runs over one of the shipped lifecycles (`kvfsm.lifecycles`):
+its events, happy path and timeouts are read from the declaration, so a new
+lifecycle is covered by adding it to `LIFECYCLES_UNDER_TEST`. Proofs,
+quarantines and operator overrides of the release phase are steps too.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from hypothesis import strategies as st
 
 import kvfsm
 from kvfsm import RoomId, _status
+from kvfsm.lifecycles import SHIPPED
+from kvfsm.testing import happy_events
 from tests.helpers import FakeClock
 
 ROOMS = st.integers(min_value=0, max_value=2)
@@ -43,65 +50,87 @@ REASONS = st.builds(
     state=st.sampled_from([None, kvfsm.KVPoll.Transferring]),
     from_peer=st.booleans(),
 )
-# The happy path is listed several times: a program then often carries a
-# room through its whole lifecycle, with the odd event out of order.
-LIFECYCLE_EVENT = st.sampled_from(["bootstrapped", "transfer_started", "transfer_done"]).map(lambda name: (name,))
-EVENTS = st.one_of(
-    LIFECYCLE_EVENT,
-    LIFECYCLE_EVENT,
-    LIFECYCLE_EVENT,
-    st.tuples(
-        st.just("chunk_done"),
+LIFECYCLES_UNDER_TEST = tuple(SHIPPED.values())
+
+
+def _events(lifecycle: kvfsm.Lifecycle) -> st.SearchStrategy[tuple[Any, ...]]:
+    # The forward events are listed several times: a program then often carries a
+    # room through its whole lifecycle, with the odd event out of order.
+    forward = [name for name, spec in lifecycle.event_specs.items() if not spec.internal]
+    internal = [name for name, spec in lifecycle.event_specs.items() if spec.internal]
+    lifecycle_event = st.sampled_from(forward).map(lambda name: (name,))
+    progress = st.tuples(
+        st.sampled_from(internal),
         st.one_of(st.integers(min_value=0, max_value=1 << 20), st.sampled_from([0, -1, True, 2.0])),
         st.booleans(),
-    ),
-    st.tuples(st.just("abort"), st.one_of(st.sampled_from(["aborted", "client went away"]), st.just(7))),
-    st.tuples(st.just("fail"), st.one_of(REASONS, st.just("not a reason"))),
-    st.tuples(st.just("writes_drained")),
-)
-EVENT_OP = st.tuples(st.just("event"), ROOMS, HANDLE_AGE, EVENTS)
-OPS = st.one_of(
-    EVENT_OP,
-    EVENT_OP,
-    EVENT_OP,
-    EVENT_OP,
-    st.tuples(st.just("open"), ROOMS),
-    st.tuples(st.just("open"), ROOMS),
-    st.tuples(st.just("close"), ROOMS),
-    st.tuples(st.just("handle_close"), ROOMS, HANDLE_AGE),
-    st.tuples(st.just("status"), ROOMS),
-    st.tuples(st.just("poll"), ROOMS, HANDLE_AGE),
-    st.tuples(st.just("release_safe"), ROOMS),
-    st.tuples(st.just("check_deadlines")),
-    st.tuples(st.just("tick"), st.sampled_from([0.5, 2.0, 4.0, 6.0, 40.0])),
-)
+    )
+    return st.one_of(
+        lifecycle_event,
+        lifecycle_event,
+        lifecycle_event,
+        progress,
+        st.tuples(st.just("abort"), st.one_of(st.sampled_from(["aborted", "client went away"]), st.just(7))),
+        st.tuples(st.just("fail"), st.one_of(REASONS, st.just("not a reason"))),
+        st.tuples(st.just("writes_drained")),
+        st.tuples(st.just("fenced"), st.sampled_from(["peer process gone", ""])),
+    )
 
 
-def _lifecycle(room: int, length: int, nbytes: object, last: bool) -> list[tuple[Any, ...]]:
-    steps: list[tuple[Any, ...]] = [
-        ("open", room),
-        ("event", room, 0, ("bootstrapped",)),
-        ("event", room, 0, ("transfer_started",)),
-        ("event", room, 0, ("chunk_done", nbytes, last)),
-        ("event", room, 0, ("transfer_done",)),
-        ("close", room),
-    ]
+def _ops(lifecycle: kvfsm.Lifecycle) -> st.SearchStrategy[tuple[Any, ...]]:
+    event_op = st.tuples(st.just("event"), ROOMS, HANDLE_AGE, _events(lifecycle))
+    return st.one_of(
+        event_op,
+        event_op,
+        event_op,
+        event_op,
+        st.tuples(st.just("open"), ROOMS),
+        st.tuples(st.just("open"), ROOMS),
+        st.tuples(st.just("close"), ROOMS),
+        st.tuples(st.just("handle_close"), ROOMS, HANDLE_AGE),
+        st.tuples(st.just("status"), ROOMS),
+        st.tuples(st.just("poll"), ROOMS, HANDLE_AGE),
+        st.tuples(st.just("release_safe"), ROOMS),
+        st.tuples(st.just("holds_pages"), ROOMS),
+        st.tuples(st.just("release_quarantined"), ROOMS),
+        st.tuples(st.just("check_deadlines")),
+        st.tuples(st.just("tick"), st.sampled_from([0.5, 2.0, 4.0, 6.0, 40.0])),
+    )
+
+
+def _happy(lifecycle: kvfsm.Lifecycle, room: int, length: int, nbytes: object, last: bool) -> list[tuple[Any, ...]]:
+    steps: list[tuple[Any, ...]] = [("open", room)]
+    for event in happy_events(lifecycle):
+        args: tuple[Any, ...] = (nbytes, last) if lifecycle.is_internal(event.name) else ()
+        steps.append(("event", room, 0, (event.name, *args)))
+    steps.append(("close", room))
     return steps[:length]
 
 
 # A room carried through (a prefix of) its lifecycle in one go: random ops
 # alone rarely line up four in-order events on one room.
 NBYTES = st.sampled_from([4096, 4096, 0, -1, True, 2.0])
-LIFECYCLES = st.builds(_lifecycle, ROOMS, st.integers(min_value=1, max_value=6), NBYTES, st.booleans())
-PROGRAMS = st.lists(st.one_of(LIFECYCLES, OPS.map(lambda op: [op])), max_size=25).map(
-    lambda parts: [op for part in parts for op in part]
-)
-TIMEOUTS = st.sampled_from(
-    [
-        kvfsm.Timeouts(bootstrap=5.0, waiting=5.0, transferring=5.0, drain=3.0),
-        kvfsm.Timeouts(bootstrap=3.0, waiting=None, transferring=8.0, drain=None),
-        kvfsm.Timeouts(),
-    ]
+
+
+def _programs(lifecycle: kvfsm.Lifecycle) -> st.SearchStrategy[list[tuple[Any, ...]]]:
+    happy = st.builds(_happy, st.just(lifecycle), ROOMS, st.integers(min_value=1, max_value=8), NBYTES, st.booleans())
+    return st.lists(st.one_of(happy, _ops(lifecycle).map(lambda op: [op])), max_size=25).map(
+        lambda parts: [op for part in parts for op in part]
+    )
+
+
+def _timeouts(lifecycle: kvfsm.Lifecycle) -> st.SearchStrategy[kvfsm.PhaseTimeouts]:
+    phases = lifecycle.phases
+    return st.sampled_from(
+        [
+            lifecycle.Timeouts(**{phase: 5.0 for phase in phases}, drain=3.0),
+            lifecycle.Timeouts(**{phase: (3.0 if i % 2 == 0 else None) for i, phase in enumerate(phases)}, drain=None),
+            lifecycle.Timeouts(),
+        ]
+    )
+
+
+CASES = st.sampled_from(LIFECYCLES_UNDER_TEST).flatmap(
+    lambda lifecycle: st.tuples(st.just(lifecycle), _programs(lifecycle), _timeouts(lifecycle))
 )
 
 
@@ -150,14 +179,22 @@ class Run:
         "nbytes",
         "chunks",
         "closed",
-        "_drain",
+        "pages_state",
+        "pages_nbytes",
     )
 
-    def __init__(self, engine: str, observed: bool, timeouts: kvfsm.Timeouts, strict: bool) -> None:
+    def __init__(
+        self,
+        engine: str,
+        observed: bool,
+        timeouts: kvfsm.PhaseTimeouts,
+        strict: bool,
+        lifecycle: kvfsm.Lifecycle = kvfsm.KV_LIFECYCLE,
+    ) -> None:
         self.clock = FakeClock()
         with recorded_tables() as made:
             self.manager = kvfsm.TransferManager(
-                "receiver", timeouts=timeouts, clock=self.clock, strict=strict, engine=engine
+                "receiver", lifecycle=lifecycle, timeouts=timeouts, clock=self.clock, strict=strict, engine=engine
             )
         (self.table,) = made
         self.trace: list[kvfsm.StateChange] = []
@@ -193,6 +230,10 @@ class Run:
             return m.status(op[1])
         if kind == "release_safe":
             return m.release_safe(op[1])
+        if kind == "holds_pages":
+            return m.holds_pages(op[1])
+        if kind == "release_quarantined":
+            return m.release_quarantined(op[1], "the test's operator")
         if kind == "check_deadlines":
             return m.check_deadlines()
         if kind == "tick":
@@ -222,17 +263,20 @@ class Run:
             attrs.asdict(m.stats),
             m.counts(),
             [list(q) if q is not None else None for q in deadlines._queues],
+            [(h.room, getattr(h, "generation"), h.pages_state) for h in deadlines._drain_queue],  # noqa: B009
             deadlines.next_due,
             handles,
+            sorted((room, [h.generation for h in held]) for room, held in m._held.items()),
         )
 
 
-@given(program=PROGRAMS, timeouts=TIMEOUTS, strict=st.booleans())
+@given(case=CASES, strict=st.booleans())
 def test_compiled_and_transitions_engines_are_indistinguishable(
-    program: list[tuple[Any, ...]], timeouts: kvfsm.Timeouts, strict: bool
+    case: tuple[kvfsm.Lifecycle, list[tuple[Any, ...]], kvfsm.PhaseTimeouts], strict: bool
 ) -> None:
+    lifecycle, program, timeouts = case
     runs = {
-        (engine, observed): Run(engine, observed, timeouts, strict)
+        (engine, observed): Run(engine, observed, timeouts, strict, lifecycle)
         for engine in ("transitions", "compiled")
         for observed in (True, False)
     }

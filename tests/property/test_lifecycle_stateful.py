@@ -193,12 +193,15 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @invariant()
     def release_gate_honoured(self) -> None:
+        # Rule 6: a failed room's pages are released on proof only; past the drain deadline
+        # without one they are quarantined (not release-safe), never freed on the timer.
         for room_id, room in self.model.items():
-            expected = room.state is S or (
-                room.state is F
-                and (room.drained or (room.failed_at is not None and self.clock.now >= room.failed_at + 3.0))
-            )
+            expected = room.state is S or (room.state is F and room.drained)
             assert self.manager.release_safe(room_id) is expected
+            if room.state is F and not room.drained:
+                quarantined = room.failed_at is not None and self.clock.now >= room.failed_at + 3.0
+                pages = kvfsm.PagesState.QUARANTINED if quarantined else kvfsm.PagesState.DRAINING
+                assert self.manager.get(room_id).pages_state is pages
 
 
 class TransitionsEngineMachine(LifecycleMachine):

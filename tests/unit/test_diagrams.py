@@ -145,15 +145,40 @@ def test_unknown_format_is_a_config_error() -> None:
         kd.render_text("sender", "png")
 
 
+#: The committed diagrams of the other shipped lifecycles: file stem -> (role, lifecycle).
+OTHER_LIFECYCLES = {
+    "staged-kv": ("receiver", "kvfsm.lifecycles:STAGED_KV_LIFECYCLE"),
+    "kv-offload": ("sender", "kvfsm.lifecycles:KV_OFFLOAD_LIFECYCLE"),
+}
+
+
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
 def test_committed_diagrams_match_the_machine(path: Path) -> None:
+    from kvfsm._lifecycle import lifecycle_by_name
+
     role = path.stem.removeprefix("lifecycle-")
+    if role in OTHER_LIFECYCLES:
+        role, name = OTHER_LIFECYCLES[role]
+        result = kd.check(path, role, lifecycle=lifecycle_by_name(name))
+        assert result.up_to_date, result.explain(f"kvfsm diagram --lifecycle {name} --role {role} --output {path}")
+        return
     result = kd.check(path, role)
     assert result.up_to_date, result.explain(f"kvfsm diagram --role {role} --output {path}")
 
 
 def test_the_committed_diagrams_exist() -> None:
-    assert {p.name for p in COMMITTED} == {f"lifecycle-{r.value}.mmd" for r in Role}
+    expected = {f"lifecycle-{r.value}.mmd" for r in Role} | {f"lifecycle-{name}.mmd" for name in OTHER_LIFECYCLES}
+    assert {p.name for p in COMMITTED} == expected
+
+
+def test_a_drifted_lifecycle_diagram_fails_its_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lifecycle-kv-offload.mmd"
+    spec = "kvfsm.lifecycles:KV_OFFLOAD_LIFECYCLE"
+    assert main(["diagram", "--lifecycle", spec, "--output", str(path)]) == 0
+    assert main(["diagram", "--lifecycle", spec, "--check", str(path)]) == 0
+    path.write_text(path.read_text().replace("  Writing --> Stored: stored\n", ""))
+    assert main(["diagram", "--lifecycle", spec, "--check", str(path)]) == 1
+    assert f"kvfsm diagram --lifecycle {spec} --role sender" in capsys.readouterr().err
 
 
 def test_check_passes_on_a_fresh_rendering(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

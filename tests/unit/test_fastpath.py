@@ -6,6 +6,7 @@ import kvfsm
 from kvfsm import FailureKind, FailureReason, KVPoll, TransferManager
 from kvfsm._fastpath import ABORT_REASONS_KEPT, new_reason
 from kvfsm._machine import CompiledEngine, build_machine
+from kvfsm._manager import handle_base
 from kvfsm._status import StatusTable
 
 
@@ -28,7 +29,9 @@ def test_rooms_aborted_alike_share_one_frozen_reason_and_the_cache_is_bounded() 
         handle.abort(f"reason {handle.room}")
     for handle in distinct:  # every room keeps its own message, cached or not
         assert handle.reason == FailureReason(FailureKind.ABORTED, f"reason {handle.room}", KVPoll.Bootstrapping)
-    cache = manager._engine.namespace[f"abort_reasons_{KVPoll.Bootstrapping.value}"]
+    engine = manager._engine
+    assert isinstance(engine, CompiledEngine)
+    cache = engine.namespace[f"abort_reasons_{KVPoll.Bootstrapping.value}"]
     assert len(cache) == ABORT_REASONS_KEPT
 
 
@@ -36,8 +39,15 @@ def test_generated_handles_are_transfer_handles_with_documented_methods() -> Non
     handle = TransferManager("receiver").open(1)
     assert isinstance(handle, kvfsm.TransferHandle)
     assert type(handle).__name__ == "TransferHandle"
-    assert type(handle).bootstrapped.__doc__ == kvfsm.TransferHandle.bootstrapped.__doc__
-    assert TransferManager("receiver", engine="transitions").open(1).__class__ is kvfsm.TransferHandle
+    # The lifecycle's handle class (its event methods generated from the event specs), and the fast path's subclass.
+    base = handle_base(kvfsm.KV_LIFECYCLE)
+    assert type(handle).__mro__[1] is base
+    assert type(handle).bootstrapped.__doc__ == base.bootstrapped.__doc__
+    assert (
+        base.bootstrapped.__doc__
+        == "Handshake done: the peer is known and both sides hold each other's metadata: Bootstrapping -> WaitingForInput."
+    )
+    assert TransferManager("receiver", engine="transitions").open(1).__class__ is base
 
 
 def test_managers_do_not_share_generated_code() -> None:

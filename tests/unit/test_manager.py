@@ -235,16 +235,45 @@ def test_failed_room_is_release_safe_only_after_drain(clock: FakeClock, engine: 
     assert handle.state is KVPoll.Failed  # draining is not a lifecycle event
 
 
-def test_drain_deadline_releases_and_is_logged(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+def test_drain_deadline_quarantines_and_is_logged_once(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 24: on the starting code the deadline released the pages (release_safe turned True).
     manager = TransferManager("receiver", clock=clock, timeouts=Timeouts(drain=10.0))
-    open_in(manager, 1, KVPoll.Failed)
+    handle = open_in(manager, 1, KVPoll.Failed)
+    handle.holds(4096)
     clock.advance(10.0)
+    with caplog.at_level(logging.WARNING, logger="kvfsm"):
+        assert not manager.release_safe(1)
+        assert not manager.release_safe(1)
+        manager.check_deadlines()
+    warnings = [r for r in caplog.records if "drain deadline" in r.getMessage()]
+    assert len(warnings) == 1 and "room 1" in warnings[0].getMessage() and "quarantined" in warnings[0].getMessage()
+    assert handle.pages_state is kvfsm.PagesState.QUARANTINED
+    assert (manager.stats.quarantined, manager.stats.quarantined_bytes, manager.stats.quarantines) == (1, 4096, 1)
+    assert manager.stats.drain_deadline_releases == 0
+    assert handle.state is KVPoll.Failed  # quarantine is not a lifecycle event either
+    # A proof that comes late releases the pages, and the gauges drop.
+    handle.writes_drained()
+    assert manager.release_safe(1)
+    assert (manager.stats.quarantined, manager.stats.quarantined_bytes, manager.stats.released_after_quarantine) == (
+        0,
+        0,
+        1,
+    )
+
+
+def test_opt_in_timer_release_restores_the_old_behaviour(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    manager = TransferManager("receiver", clock=clock, timeouts=Timeouts(drain=10.0), on_drain_deadline="release")
+    open_in(manager, 1, KVPoll.Failed)
+    clock.advance(9.9)
+    assert not manager.release_safe(1)
+    clock.advance(0.1)
     with caplog.at_level(logging.WARNING, logger="kvfsm"):
         assert manager.release_safe(1)
         assert manager.release_safe(1)
     warnings = [r for r in caplog.records if "drain deadline" in r.getMessage()]
-    assert len(warnings) == 1 and "room 1" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "may still land" in warnings[0].getMessage()
     assert manager.stats.drain_deadline_releases == 1
+    assert manager.stats.quarantines == 0
 
 
 def test_no_drain_deadline_means_wait_for_drain(clock: FakeClock) -> None:

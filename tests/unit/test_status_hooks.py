@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvfsm import FailureKind, FailureReason, KVPoll, RoomId, Timeouts, _status
+from kvfsm._release import PagesState
 from kvfsm._status import ARM, StatusTable, inline_lines, status_hook
 
 
@@ -18,6 +19,8 @@ class _Record:
         self.entered_at = 0.0
         self.transfer_started_at: float | None = None
         self.finished_at: float | None = None
+        self.pages_state = PagesState.HELD
+        self.pages_nbytes = self.nbytes = 0
         self._table = table
 
 
@@ -42,6 +45,8 @@ def _snapshot(table: StatusTable, record: _Record) -> tuple[object, ...]:
         record.finished_at,
         record.transfer_started_at,
         record.reason,
+        record.pages_state,
+        table.deadlines.draining(),
     )
 
 

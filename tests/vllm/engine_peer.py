@@ -147,6 +147,7 @@ class _Endpoint:
             "failure_kinds": {} if stats is None else {k.value: n for k, n in stats.failure_kinds.items() if n},
             "final_states": {} if stats is None else {k.name: n for k, n in stats.final_states.items() if n},
             "drain_deadline_releases": 0 if stats is None else stats.drain_deadline_releases,
+            "quarantined": 0 if stats is None else stats.quarantined,
             "worker": None if worker is None else str(worker.stats),
         }
 

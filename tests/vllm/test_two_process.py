@@ -34,7 +34,7 @@ _ids = itertools.count()
 class PD:
     """A prefill and a decode engine process."""
 
-    def __init__(self, hold_timeout: float = 60.0) -> None:
+    def __init__(self, hold_timeout: float = 60.0, **extra: Any) -> None:
         self.engine_id = f"prefill-{next(_ids)}"
         common: dict[str, Any] = {
             "backend": "mooncake",
@@ -42,6 +42,7 @@ class PD:
             "heartbeat_misses": 3,
             "drain_timeout": DRAIN,
             "waiting_timeout": 60,
+            **extra,
         }
         self.prefill = EnginePeer(
             "kv_producer", self.engine_id, {**common, "port": free_port(), "hold_timeout": hold_timeout}
@@ -131,7 +132,10 @@ def test_a_prefill_that_gave_up_fails_the_late_decode_at_once(pd: PD) -> None:
 
 
 def test_a_killed_prefill_fails_the_waiting_load_and_frees_it_after_the_drain_deadline(mooncake: None) -> None:
-    pair = PD()
+    # A killed prefill proves nothing: by default its decode room is quarantined at the drain
+    # deadline (tests/unit/test_release_phase.py checks that on the worker half). This test runs
+    # the opt-in timer release, the only way such a load ends without a fence or an operator.
+    pair = PD(on_drain_deadline="release")
     try:
         tokens = tokens_for(4, 2.5)
         params = pair.prefill.prefill("p4", tokens)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..._states import KVPoll
-from ._endpoint import KVReceiver, KVSender
+from ._endpoint import REQUEST_VIEW, KVReceiver, KVSender, RequestView
 from ._fake import FakeKVManager, FakeKVReceiver, FakeKVSender
 from ._manager import KVManager
 from ._types import (
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from ._mooncake import MooncakeKVBootstrapServer, MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
 
 __all__ = [
+    "RequestView",
+    "REQUEST_VIEW",
     "SGLANG_VERSION",
     "KVPoll",
     "KVArgs",

@@ -12,11 +12,14 @@ room's handle and answers from the machine:
   `Failed`. A subclass that overrides `abort` and forgets `super().abort()`
   still aborts the room: the override is wrapped at class creation.
 * The room is the transfer's record; the endpoint is the request's view of
-  it (DESIGN.md, "Compat semantics"). When the scheduler aborts a request
-  whose transfer already reached Success (a decode HiCache restore still
-  pending, say), the endpoint answers `Failed` from then on and
-  `failure_exception()` says it was aborted, while the room stays
+  it (DESIGN.md, "Compat semantics"), itself a small declared machine
+  (`REQUEST_VIEW`, one `Table` like every other of kvfsm): it follows the
+  room until the scheduler aborts a request whose transfer already
+  reached Success (a decode HiCache restore still pending, say), or reads
+  another rank's failure over it; from then on the endpoint answers
+  `Failed` and `failure_exception()` says why, while the room stays
   `Success`: its bytes did land, its pages follow the release rules.
+  `_step_view` is the one writer of the view.
 * Decode's deferred release asks the receiver `abort_notified`,
   `ensure_abort_notified(force_arm=...)`, `bootstrap_infos` and
   `is_abort_release_safe()`; kvfsm's backends tell the prefill of every
@@ -26,6 +29,8 @@ room's handle and answers from the machine:
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
 import logging
 import weakref
@@ -35,14 +40,46 @@ from typing import Any, NoReturn
 from ... import _errors
 from ..._errors import UnknownRoom
 from ..._manager import TransferHandle
-from ..._states import TERMINAL, FailureKind, FailureReason, KVPoll
+from ..._rows import Row, Table
+from ..._states import FailureKind, FailureReason, KVPoll
 from ._manager import KVManager
 from ._rooms import Orphanage
 from ._types import ABORT_MESSAGE, PROPAGATED_MESSAGE, KVTransferDestination, KVTransferError, KVTransferMetric
 
-__all__ = ["KVSender", "KVReceiver"]
+__all__ = ["KVSender", "KVReceiver", "RequestView", "REQUEST_VIEW"]
 
 logger = logging.getLogger("kvfsm.compat.sglang")
+
+
+class RequestView(str, enum.Enum):
+    """Where a request stands over its room: following it, or concluded Failed over its Success."""
+
+    FOLLOWS_ROOM = "follows_room"
+    FAILED_OVER_SUCCESS = "failed_over_success"
+
+
+_V = RequestView
+REQUEST_VIEW = Table(
+    "sglang-request",
+    RequestView,
+    (
+        Row(
+            "aborted_after_success",
+            (_V.FOLLOWS_ROOM,),
+            _V.FAILED_OVER_SUCCESS,
+            (),
+            "the scheduler aborted the request after its room reached Success: the request answers Failed",
+        ),
+        Row(
+            "peer_failed_after_success",
+            (_V.FOLLOWS_ROOM,),
+            _V.FAILED_OVER_SUCCESS,
+            (),
+            "failure_exception() after another rank failed, over this rank's Success: the request answers Failed",
+        ),
+    ),
+    "An SGLang request's view of its room: the room is the transfer's record, the view what poll() answers.",
+)
 
 
 def _require_manager(mgr: object, endpoint: type) -> KVManager:
@@ -83,8 +120,9 @@ class _Endpoint:
     handle: TransferHandle
     _closed_reason: FailureReason | None
     _close_room: Callable[[TransferHandle], None]
-    #: Why the request concluded Failed although its room reached Success (an abort, another rank's failure).
-    _failed_over_success: FailureReason | None
+    #: The request's view of its room (`REQUEST_VIEW`), and why it concluded Failed over a Success.
+    _view: RequestView
+    _view_reason: FailureReason | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,22 +133,39 @@ class _Endpoint:
     def _bind(self, handle: TransferHandle, orphans: Orphanage) -> None:
         self.handle = handle
         self._closed_reason = None
-        self._failed_over_success = None
+        self._view = RequestView.FOLLOWS_ROOM
+        self._view_reason = None
         self._close_room = orphans.close
         # A request the scheduler drops without clear() must not pin its room.
         # (A finalizer keeps itself alive until it runs: no reference to hold.)
         finalizer = weakref.finalize(self, orphans.adopt, handle)
         finalizer.atexit = False
 
+    def _step_view(self, input: str, reason: FailureReason) -> None:
+        """Step the request's view by `input` (a row of `REQUEST_VIEW`); the view's one writer.
+
+        Only over a room in a success state: a room that failed is the
+        request's answer already. A second step is refused by the table
+        (the first reason stands).
+        """
+        handle = self.handle
+        if handle.state not in handle.lifecycle.successes:
+            return
+        allowed, dest = REQUEST_VIEW.step(self._view, input)
+        if allowed:
+            assert isinstance(dest, RequestView)
+            self._view = dest
+            self._view_reason = reason
+
     # -- reads --------------------------------------------------------------------
 
     @property
     def conclude_state(self) -> KVPoll | None:
-        """The final state once the request concluded, else None (read-only, from the machine)."""
-        if self._failed_over_success is not None:
+        """The final state once the request concluded, else None (read-only, from the machines)."""
+        if self._view is RequestView.FAILED_OVER_SUCCESS:
             return KVPoll.Failed
-        state = self.handle.state
-        return state if state in TERMINAL else None
+        handle = self.handle
+        return handle.status if handle.is_terminal else None
 
     @conclude_state.setter
     def conclude_state(self, value: object) -> None:
@@ -125,16 +180,14 @@ class _Endpoint:
         return self.handle.release_safe
 
     def poll(self) -> KVPoll:
-        """The request's state, after enforcing due deadlines. Never raises for a cleared room."""
-        if self._failed_over_success is not None:
+        """What the request reports (the room's `KVPoll`), after enforcing due deadlines. Never raises for a cleared room."""
+        if self._view is RequestView.FAILED_OVER_SUCCESS:
             return KVPoll.Failed
         handle = self.handle
         if not handle.closed:
-            try:
-                return handle.poll()
-            except UnknownRoom:  # cleared by another thread meanwhile
-                pass
-        return handle.state
+            with contextlib.suppress(UnknownRoom):  # cleared by another thread meanwhile
+                handle.poll()  # enforces due deadlines
+        return handle.status
 
     def poll_pp_consensus(self) -> KVPoll:
         """SGLang's poll for pipeline-parallel prefill: each PP rank's room is its own, so `poll()`."""
@@ -160,13 +213,13 @@ class _Endpoint:
         handle = self.handle
         if not handle.is_terminal:
             handle.fail(FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, from_peer=True))
-        if self._failed_over_success is not None:
-            reason: FailureReason | None = self._failed_over_success
-        elif handle.state is KVPoll.Failed:
+        if self._view is RequestView.FAILED_OVER_SUCCESS:
+            reason: FailureReason | None = self._view_reason
+        elif handle.state is handle.lifecycle.failure:
             reason = handle.reason if not handle.closed else self._closed_reason
         else:
             reason = FailureReason(FailureKind.PEER_FAILED, PROPAGATED_MESSAGE, handle.state, from_peer=True)
-            self._failed_over_success = reason
+            self._step_view("peer_failed_after_success", reason)
         self._after_failure_exception()
         raise KVTransferError(self.bootstrap_room, reason, self.failure_text(reason))
 
@@ -215,8 +268,7 @@ class _Endpoint:
         handle = self.handle
         if not handle.is_terminal:
             handle.abort(ABORT_MESSAGE)
-        if handle.state is KVPoll.Success and self._failed_over_success is None:
-            self._failed_over_success = FailureReason(FailureKind.ABORTED, ABORT_MESSAGE, KVPoll.Success)
+        self._step_view("aborted_after_success", FailureReason(FailureKind.ABORTED, ABORT_MESSAGE, handle.state))
 
     def clear(self) -> None:
         """Close the room (aborting it if still in flight). `poll()` keeps returning its final state."""

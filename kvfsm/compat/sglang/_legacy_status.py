@@ -9,10 +9,13 @@ the event(s) that lead there, and hands back what the machine decided.
 The translation keeps what `max(old, new)` was meant to do and drops what
 it got wrong:
 
-* forward moves become the chain of events between the two states
-  (`Success` written over `WaitingForInput` fires `transfer_started` then
-  `transfer_done`, so the room passes through `Transferring` and the
-  transfer-latency window is recorded);
+* forward moves become the chain of events between the two states, read
+  from the room's lifecycle (`Lifecycle.forward_events`: `Success` written
+  over `WaitingForInput` fires `transfer_started` then `transfer_done`, so
+  the room passes through `Transferring` and the transfer-latency window
+  is recorded); the written value is what a state reports, so a lifecycle
+  with more states (a staging phase reporting WaitingForInput) maps onto
+  SGLang's integers with no arithmetic on them;
 * a backward or equal non-terminal write is a no-op, as `max` made it;
 * a write onto a terminal room is absorbed by the machine and counted
   (a late `Success` never overwrites `Failed`);
@@ -28,54 +31,55 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
+from ..._lifecycle import KV_LIFECYCLE, Lifecycle
 from ..._manager import TransferHandle
-from ..._states import TERMINAL, KVPoll, RoomId
+from ..._states import KVPoll, RoomId, State
 
 __all__ = ["FORWARD_EVENTS", "forward_events", "drive_to", "RequestStatusView", "FailureRecordsView"]
 
-#: The event that leaves each non-terminal state forwards.
+#: The event that leaves each non-terminal state of the KV lifecycle forwards (derived from its declaration).
 FORWARD_EVENTS: dict[KVPoll, str] = {
-    KVPoll.Bootstrapping: "bootstrapped",
-    KVPoll.WaitingForInput: "transfer_started",
-    KVPoll.Transferring: "transfer_done",
+    KVPoll(state): KV_LIFECYCLE.forward_events(state, KV_LIFECYCLE.reports[KV_LIFECYCLE.successes[0]])[0]
+    for state in KV_LIFECYCLE.non_terminal
 }
 
 
-def forward_events(current: KVPoll, target: KVPoll) -> tuple[str, ...]:
-    """The events that move a room forward from `current` to `target`.
+def forward_events(current: State, target: KVPoll, lifecycle: Lifecycle = KV_LIFECYCLE) -> tuple[str, ...]:
+    """The events that move a room forward from `current` to a state reporting `target`.
 
-    Empty when `target` is not ahead of `current` (what `max` made a
-    no-op). Not meant for `Failed`, which is a `fail` event, nor for a
-    terminal `current`, which absorbs everything.
+    Empty when `target` is not ahead of what `current` reports (what `max`
+    made a no-op). Not meant for `Failed`, which is a `fail` event, nor for
+    a terminal `current`, which absorbs everything. The chain is the
+    lifecycle's shortest (`Lifecycle.forward_events`): for a lifecycle with
+    a staging phase, `Transferring` written over `WaitingForInput` goes
+    straight there.
     """
-    events: list[str] = []
-    state = current
-    while state < target and state in FORWARD_EVENTS:
-        events.append(FORWARD_EVENTS[state])
-        state = KVPoll(state + 1)
-    return tuple(events)
+    return lifecycle.forward_events(current, target)
 
 
 def drive_to(handle: TransferHandle, target: KVPoll) -> bool:
-    """Fire the forward events from the handle's current state to `target`.
+    """Fire the forward events from the handle's current state to a state reporting `target`.
 
     Re-reads the state before each event, so an abort landing in between
     makes the remaining events late (absorbed, counted) rather than out of
     order. On a terminal room, the event that would have reached `target`
     is still fired so the machine counts it as late. Returns whether the
-    room reached `target`.
+    room now reports `target`.
     """
-    if handle.state in TERMINAL:
-        if handle.state is not target:
-            _fire(handle, FORWARD_EVENTS[KVPoll(target - 1)] if target > KVPoll.Bootstrapping else "bootstrapped")
-        return handle.state is target
-    for _ in range(len(FORWARD_EVENTS)):
+    lifecycle = handle.lifecycle
+    reports = lifecycle.reports
+    if handle.state in lifecycle.terminal:
+        if reports[handle.state] is not target:
+            _fire(handle, lifecycle.event_into(target) or lifecycle.events[0])
+        return reports[handle.state] is target
+    for _ in range(len(lifecycle.State)):
         state = handle.state
-        if state >= target or state in TERMINAL:
+        if reports[state] >= target or state in lifecycle.terminal:
             break
-        if not _fire(handle, FORWARD_EVENTS[state]):
+        events = lifecycle.forward_events(state, target)
+        if not events or not _fire(handle, events[0]):
             break
-    return handle.state is target
+    return reports[handle.state] is target
 
 
 def _fire(handle: TransferHandle, event: str) -> bool:

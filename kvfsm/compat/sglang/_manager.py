@@ -27,8 +27,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..._errors import ConfigError, DuplicateRoom, UnknownRoom
+from ..._lifecycle import KV_LIFECYCLE, Lifecycle, PhaseTimeouts
 from ..._manager import TransferHandle, TransferManager
-from ..._states import TERMINAL, FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
+from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
 from ._legacy_status import FailureRecordsView, RequestStatusView, drive_to
 from ._rooms import FakeRooms, Orphanage
 from ._types import (
@@ -69,7 +70,11 @@ class KVManager:
     one, `KVSender` and `KVReceiver` move data through it; without one they
     are bases for a backend written as SGLang subclasses. `peer_address`
     maps SGLang's `bootstrap_addr` ("host:port" of the prefill server) to
-    the backend's address of that endpoint.
+    the backend's address of that endpoint. `lifecycle` is the rooms'
+    declared lifecycle (`kvfsm.lifecycles.STAGED_KV_LIFECYCLE` adds a
+    staging phase that SGLang sees as WaitingForInput);
+    `on_drain_deadline` what the drain deadline does to pages still
+    waiting for proof ("quarantine", or the unsafe opt-in "release").
 
     The legacy status surface (`request_status`, `update_status`,
     `check_status`, `record_failure`, `failure_records`, `failure_lock`)
@@ -115,13 +120,15 @@ class KVManager:
         server_args: Any = None,
         is_mla_backend: bool | None = False,
         *,
-        timeouts: Timeouts | None = None,
+        timeouts: PhaseTimeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         strict: bool = False,
         reaper: bool = True,
         remember_closed: int = 65536,
         backend: Callable[[TransferManager], KVBackend] | None = None,
         peer_address: Callable[[str], str] | None = None,
+        lifecycle: Lifecycle = KV_LIFECYCLE,
+        on_drain_deadline: str = "quarantine",
     ) -> None:
         role = self._role_for(disaggregation_mode)
         self.kv_args = args
@@ -130,12 +137,21 @@ class KVManager:
         self.is_mla_backend = bool(is_mla_backend)
         self.role = role
         if timeouts is None:
-            timeouts = Timeouts(
-                bootstrap=timeout_from_env(BOOTSTRAP_TIMEOUT_ENV),
-                waiting=timeout_from_env(WAITING_TIMEOUT_ENV),
-                transferring=None,
+            timeouts = lifecycle.Timeouts(
+                **{
+                    phase: timeout_from_env(env)
+                    for phase, env in (("bootstrap", BOOTSTRAP_TIMEOUT_ENV), ("waiting", WAITING_TIMEOUT_ENV))
+                    if phase in lifecycle.phases
+                }
             )
-        self.transfer_manager = TransferManager(role, timeouts=timeouts, clock=clock, strict=strict)
+        self.transfer_manager = TransferManager(
+            role,
+            lifecycle=lifecycle,
+            timeouts=timeouts,
+            clock=clock,
+            strict=strict,
+            on_drain_deadline=on_drain_deadline,
+        )
         self.fake_rooms = FakeRooms(clock, reaper)
         self.req_to_decode_prefix_len: dict[int, int] = {}
         self.request_status = RequestStatusView(self)
@@ -203,7 +219,7 @@ class KVManager:
         try:
             handle = manager.open(room)
         except DuplicateRoom as duplicate:
-            if duplicate.state not in TERMINAL:
+            if duplicate.state not in manager.lifecycle.terminal:
                 raise
             logger.debug("kvfsm room %r reopened: its previous request ended %s uncleared", room, duplicate.state.name)
             self._forget(manager.get(room))
@@ -282,17 +298,18 @@ class KVManager:
                 handle = self._open_locked(room)
             else:
                 handle = manager.get(room)
+            lifecycle = manager.lifecycle
             state = handle.state
-            if state in TERMINAL and state is not target:
+            if state in lifecycle.terminal and lifecycle.reports[state] is not target:
                 self.late_updates += 1
                 logger.debug("kvfsm update_status(%r, %s) ignored: the room is %s", room, target.name, state.name)
             if target is KVPoll.Failed:
                 reason = self._pending_failures.pop(room, None) or FailureReason(
                     FailureKind.TRANSFER_ERROR, "update_status(Failed) with no recorded reason"
                 )
-                if state is not KVPoll.Failed:
+                if state is not lifecycle.failure:
                     handle.fail(reason)
-                return handle.state is KVPoll.Failed
+                return handle.state is lifecycle.failure
             return drive_to(handle, target)
 
     def record_failure(
@@ -332,16 +349,20 @@ class KVManager:
     # -- deferred release (decode) ---------------------------------------------
 
     def is_abort_release_safe(self, bootstrap_room: RoomId, required_acks: int = 0) -> bool:
-        """Whether the pages of an aborted request may be reused: the room's release gate.
+        """Whether the pages of an aborted request may be reused: the room's release phase.
 
         SGLang counts ABORT_ACKs (`required_acks` of them); kvfsm's backends
-        report the drain to the room itself (after the prefill's ABORT_ACK,
-        or when nothing was in flight), and the drain deadline bounds the
-        wait. A room that is not open here was never given pages through
-        this manager, so nothing of it can land: safe.
+        prove the drain to the room itself (after the prefill's ABORT_ACK,
+        or when nothing was in flight, or a fence). Without proof by the
+        drain deadline the pages are quarantined: never safe until a proof
+        comes or an operator releases them (`transfer_manager.
+        release_quarantined`). The answer is the same whatever order
+        SGLang calls things in: a room cleared (`clear()`, or a dropped
+        receiver) before its write drained still holds its pages. Only a
+        room id no generation of which holds pages here is safe.
         """
-        handle = self._open_handle(bootstrap_room)
-        return True if handle is None else handle.release_safe
+        self.collect_orphans()
+        return not self.transfer_manager.holds_pages(bootstrap_room)
 
     def clear_deferred_abort_state(self, bootstrap_room: RoomId) -> None:
         """SGLang forgets the room's ACK tracker here; kvfsm's gate lives in the room (closed by `clear()`)."""
@@ -403,7 +424,7 @@ class KVManager:
         request = urllib.request.Request(
             url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
         )
-        timeout = self.transfer_manager.timeouts.waiting or 300.0
+        timeout = getattr(self.transfer_manager.timeouts, "waiting", None) or 300.0
         try:
             with urllib.request.urlopen(request, timeout=timeout):
                 return

@@ -25,11 +25,14 @@ through kvfsm's Mooncake adapter and wire protocol:
 
 Deferred release: the manager supports it (`enable_deferred_decode_kv_release`
 follows SGLang's knob, on by default) and answers
-`is_abort_release_safe(room)` from kvfsm's release gate: a failed decode room
-becomes release-safe when the prefill's ABORT_ACK proves its writes drained,
-at once when the prefill never had the pages, else when the drain deadline
-passes (SGLang's `SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`,
-30 s). A prefill lost for the heartbeat window fails every room it had with
+`is_abort_release_safe(room)` from kvfsm's release phase: a failed decode
+room becomes release-safe when the prefill's ABORT_ACK proves its writes
+drained, at once when the prefill never had the pages, or on a fence; when
+the drain deadline passes without proof (SGLang's
+`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`, 30 s) its pages
+are quarantined, not released (SGLang #38961: the timer is itself a
+use-after-free window), until a proof or an operator's
+`transfer_manager.release_quarantined(room, why)`. A prefill lost for the heartbeat window fails every room it had with
 SGLang's reason ("Lost connection with prefill instance ...") and is
 forgotten, so its next request asks the bootstrap server again.
 
@@ -50,9 +53,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._errors import ConfigError
+from ..._lifecycle import Timeouts
 from ..._manager import TransferManager
 from ..._observe import StateChange
-from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId, Timeouts
+from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
 from ...backends._errors import BackendError
 from ...backends.memory import KVPools, MemoryRegion
 from ...backends.mooncake import MooncakeBackend

@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable
 
 from ..._errors import UnknownRoom
+from ..._lifecycle import Timeouts
 from ..._manager import TransferHandle, TransferManager
 from ..._observe import StateChange
-from ..._states import KVPoll, Role, Timeouts
+from ..._states import KVPoll, Role
 
 __all__ = ["Orphanage", "FakeRooms", "fake_rooms_for"]
 

@@ -19,7 +19,8 @@ from typing import Any
 import attrs
 
 from ..._errors import ConfigError
-from ..._states import Timeouts
+from ..._lifecycle import Timeouts
+from ..._release import DRAIN_POLICIES
 
 __all__ = ["ConnectorConfig", "DEFAULT_PORT"]
 
@@ -57,7 +58,13 @@ class ConnectorConfig:
     handshake with its prefill; `waiting_timeout` the wait for the first
     bytes once both sides know each other; `transfer_timeout` the transfer
     itself (null: none); `drain_timeout` how long a failed room's blocks
-    stay held when the peer cannot prove its writes stopped. A decode asks
+    wait for the peer's proof that its writes stopped (ABORT_ACK, or a
+    fence) before they are quarantined: still held, counted in the
+    managers' `stats.quarantined` and the metrics' quarantine gauges, and
+    reported to vLLM only once a proof arrives (or an operator calls
+    `release_quarantined`). `on_drain_deadline: "release"` frees them at
+    the deadline instead, as kvfsm did before: opt-in, because a peer that
+    was only slow then writes into blocks vLLM gave to another request. A decode asks
     vLLM to retry later (`None` from `get_num_new_matched_tokens`) while
     `max_inflight_loads` loads are running (null: no limit).
     `backend_options` go to the backend's constructor as keyword arguments.
@@ -75,6 +82,7 @@ class ConnectorConfig:
     waiting_timeout: float = 300.0
     transfer_timeout: float | None = 120.0
     drain_timeout: float = 30.0
+    on_drain_deadline: str = "quarantine"
     heartbeat_interval: float = 1.0
     heartbeat_misses: int = 3
     max_inflight_loads: int | None = None
@@ -121,6 +129,7 @@ class ConnectorConfig:
                 "transfer_timeout", extra.get("transfer_timeout", defaults.transfer_timeout)
             ),
             drain_timeout=seconds("drain_timeout"),
+            on_drain_deadline=_drain_policy(extra.get("on_drain_deadline", defaults.on_drain_deadline)),
             heartbeat_interval=seconds("heartbeat_interval"),
             heartbeat_misses=_int("heartbeat_misses", extra.get("heartbeat_misses", defaults.heartbeat_misses), 1),
             max_inflight_loads=None if inflight is None else _int("max_inflight_loads", inflight, 1),
@@ -147,3 +156,12 @@ class ConnectorConfig:
             transferring=self.transfer_timeout,
             drain=self.drain_timeout,
         )
+
+
+def _drain_policy(value: object) -> str:
+    if value not in DRAIN_POLICIES:
+        raise ConfigError(
+            f"kv_connector_extra_config['on_drain_deadline'] must be one of {', '.join(map(repr, DRAIN_POLICIES))}; "
+            f"got {value!r}"
+        )
+    return str(value)

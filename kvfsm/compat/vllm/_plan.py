@@ -41,8 +41,9 @@ from typing import Any
 import attrs
 
 from ..._errors import DuplicateRoom, UnknownRoom
+from ..._lifecycle import Timeouts
 from ..._manager import TransferHandle, TransferManager
-from ..._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
+from ..._states import FailureKind, FailureReason, KVPoll, Role
 from ._config import ConnectorConfig
 from ._params import RemoteSource, parse_source, prefill_params, room_id
 

@@ -19,8 +19,11 @@ decode (receiver room, opened when vLLM parked the request for its KV)
     Success           reported as `finished_recving`
     Failed            reported as `finished_recving` and `failed_recving`, its
                       blocks as load errors, once release-safe: after the
-                      prefill proved its writes stopped (ABORT_ACK), or after
-                      `drain_timeout`, never earlier (DESIGN.md rule 13)
+                      prefill proved its writes stopped (ABORT_ACK) or was
+                      fenced; without proof by `drain_timeout` its blocks are
+                      quarantined (still held, counted), never freed on the
+                      timer unless `on_drain_deadline: "release"` (DESIGN.md
+                      rules 6 and 13)
 
 Each room is reported exactly once, then closed; an abort for a room that
 is gone is counted (`stats.late_aborts`) and ignored. Deadlines are the
@@ -151,8 +154,17 @@ class WorkerHalf:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
-        self.prefill = TransferManager(Role.SENDER, timeouts=config.prefill_timeouts, clock=clock) if producer else None
-        self.decode = TransferManager(Role.RECEIVER, timeouts=config.decode_timeouts, clock=clock) if consumer else None
+        policy = config.on_drain_deadline
+        self.prefill = (
+            TransferManager(Role.SENDER, timeouts=config.prefill_timeouts, clock=clock, on_drain_deadline=policy)
+            if producer
+            else None
+        )
+        self.decode = (
+            TransferManager(Role.RECEIVER, timeouts=config.decode_timeouts, clock=clock, on_drain_deadline=policy)
+            if consumer
+            else None
+        )
         self.sender: KVBackend | None = None
         self.receiver: KVBackend | None = None
         self.stats = WorkerStats()

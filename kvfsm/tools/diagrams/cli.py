@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 
 from ..._errors import ConfigError
+from ..._lifecycle import KV_LIFECYCLE, Lifecycle, lifecycle_by_name
 from ..._states import KVPoll, Role
 from ...backends.wire import WireTable
 from .._cliargs import CommandError, UsageError, output_path
@@ -54,6 +55,7 @@ def check(
     *,
     highlight: KVPoll | str | int | None = None,
     wire: str | WireTable | None = None,
+    lifecycle: Lifecycle = KV_LIFECYCLE,
 ) -> DiagramCheck:
     """Compare the diagram committed at `path` with the one the code renders now.
 
@@ -65,7 +67,8 @@ def check(
     if wire is not None and highlight is not None:
         raise ConfigError("highlight marks a lifecycle state; a wire table's diagram takes none")
     if wire is None:
-        expected, source, now = render(role, fmt, highlight=highlight), "the machine", "machine now"
+        expected = render(role, fmt, highlight=highlight, lifecycle=lifecycle)
+        source, now = "the machine", "machine now"
     else:
         expected, source, now = render_wire(wire, fmt), "kvfsm.backends.wire", "wire tables now"
     try:
@@ -102,6 +105,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "a decode's claim at the prefill, or a room id at the prefill",
     )
     parser.add_argument(
+        "--lifecycle",
+        metavar="MODULE:NAME",
+        type=_lifecycle_argument,
+        default=None,
+        help="draw this declared kvfsm.Lifecycle (e.g. kvfsm.lifecycles:KV_OFFLOAD_LIFECYCLE) instead of the KV "
+        "lifecycle; with --role, and --check needs it too",
+    )
+    parser.add_argument(
         "--format",
         choices=FORMATS,
         default=None,
@@ -125,6 +136,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _lifecycle_argument(text: str) -> tuple[str, Lifecycle]:
+    try:
+        return text, lifecycle_by_name(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _state_argument(text: str) -> KVPoll:
     try:
         return parse_state(text)
@@ -138,6 +156,8 @@ def _command_line(
     """The command that writes `path` with the diagram the arguments (or `role`/`wire`) name."""
     wire = wire or (None if role else args.wire)
     parts = ["kvfsm diagram", f"--wire {wire}" if wire else f"--role {role or args.role}", f"--format {fmt}"]
+    if args.lifecycle is not None and not wire:
+        parts.insert(1, f"--lifecycle {args.lifecycle[0]}")
     if args.highlight is not None and not wire:
         parts.append(f"--highlight {args.highlight.name}")
     parts.append(f"--output {path}")
@@ -170,6 +190,15 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.format or (format_for_path(path) if path else None) or "mermaid"
     if args.wire is not None and args.highlight is not None:
         raise UsageError("--highlight marks a lifecycle state; it does not go with --wire")
+    lifecycle = KV_LIFECYCLE
+    if args.lifecycle is not None:
+        if args.wire is not None:
+            raise UsageError("--lifecycle names a lifecycle to draw; it does not go with --wire")
+        if args.highlight is not None:
+            raise UsageError("--highlight takes a KVPoll state; it does not go with --lifecycle")
+        lifecycle = args.lifecycle[1]
+        if args.role is None:
+            args.role = Role.SENDER.value
     try:
         if args.role is None and args.wire is None and args.check and not Path(args.check).exists():
             # Nothing to read the diagram from: say so, and offer every command.
@@ -188,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             if args.wire is not None:
                 result = check(args.check, fmt=fmt, wire=args.wire)
             else:
-                result = check(args.check, args.role, fmt, highlight=args.highlight)
+                result = check(args.check, args.role, fmt, highlight=args.highlight, lifecycle=lifecycle)
             stream = sys.stdout if result.up_to_date else sys.stderr
             stream.write(result.explain(_command_line(args, fmt, args.check)).rstrip("\n") + "\n")
             return 0 if result.up_to_date else 1
@@ -198,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         if args.wire is not None:
             data = render_wire(args.wire, fmt)
         else:
-            data = render(args.role, fmt, highlight=args.highlight)
+            data = render(args.role, fmt, highlight=args.highlight, lifecycle=lifecycle)
     except GraphvizMissing as exc:
         sys.stderr.write(f"kvfsm diagram: error: {exc}\n")
         return 2

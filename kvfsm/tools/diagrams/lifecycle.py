@@ -8,6 +8,10 @@ drift from the code. What this module adds is presentation only: an entry
 marker on the initial state, the terminal states marked (double border in
 graphviz, an exit marker `[*]` in mermaid, colours in both), and
 optionally one state highlighted (a room's live state).
+
+Any declared lifecycle is drawn the same way (`lifecycle=`, the CLI's
+`--lifecycle module:NAME`): its machine is built by the same
+`build_machine(role, lifecycle=...)` call the managers use.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transitions.extensions.diagrams import GraphMachine
 from transitions.extensions.diagrams_mermaid import Graph as _MermaidGraph
 
 from ..._errors import ConfigError
+from ..._lifecycle import KV_LIFECYCLE, Lifecycle
 from ..._machine import build_machine
 from ..._states import KVPoll, Role
 from .formats import (
@@ -42,17 +47,18 @@ __all__ = [
     "render",
     "render_text",
     "role_of",
+    "lifecycle_title",
 ]
 
 
 def terminal_states(machine: Machine) -> list[str]:
-    """The states of `machine` that no event leaves, in `KVPoll` order.
+    """The states of `machine` that no event leaves, in state-value order (`KVPoll` order for KV).
 
     Read from the machine rather than from `kvfsm.TERMINAL`, so the marks
     on a diagram say what the machine does, not what it is meant to do.
     """
     sources = {source for event in machine.events.values() for source in event.transitions}
-    return [state.name for state in KVPoll if state.name not in sources]
+    return [name for name in machine.states if name not in sources]
 
 
 class _MermaidLifecycle(_MermaidGraph):
@@ -126,14 +132,24 @@ def _styles(engine: str) -> dict[str, Any]:
     return styles
 
 
-def diagram_machine(role: Role | str, engine: str = "mermaid") -> LifecycleGraphMachine:
+def lifecycle_title(role: Role | str, lifecycle: Lifecycle = KV_LIFECYCLE) -> str:
+    """The title every rendering of `lifecycle` for `role` carries."""
+    role = Role.coerce(role)
+    suffix = "" if lifecycle is KV_LIFECYCLE else f" ({lifecycle.name})"
+    return f"kvfsm {role.value} lifecycle{suffix}"
+
+
+def diagram_machine(
+    role: Role | str, engine: str = "mermaid", lifecycle: Lifecycle = KV_LIFECYCLE
+) -> LifecycleGraphMachine:
     """The lifecycle machine of `role` as a `GraphMachine`, built exactly like the live one."""
     role = Role.coerce(role)
     machine = build_machine(
         role,
+        lifecycle=lifecycle,
         machine_cls=LifecycleGraphMachine,
         graph_engine=engine,
-        title=f"kvfsm {role.value} lifecycle",
+        title=lifecycle_title(role, lifecycle),
     )
     assert isinstance(machine, LifecycleGraphMachine)
     return machine
@@ -159,18 +175,24 @@ def parse_state(value: KVPoll | str | int) -> KVPoll:
     raise ConfigError(f"state must be one of {allowed}; got {value!r}")
 
 
-def _graph(role: Role | str, engine: str, highlight: KVPoll | str | int | None) -> Any:
-    machine = diagram_machine(role, engine)
+def _graph(
+    role: Role | str, engine: str, highlight: KVPoll | str | int | None, lifecycle: Lifecycle = KV_LIFECYCLE
+) -> Any:
+    machine = diagram_machine(role, engine, lifecycle)
     graph = machine.graph_cls(machine)
     for name in terminal_states(machine):
-        graph.set_node_style(name, "failed" if name == KVPoll.Failed.name else "success")
+        graph.set_node_style(name, "failed" if name == lifecycle.failure.name else "success")
     if highlight is not None:
         graph.set_node_style(parse_state(highlight).name, "active")
     return graph.get_graph(title=machine.title)
 
 
 def render(
-    role: Role | str = Role.SENDER, fmt: str = "mermaid", *, highlight: KVPoll | str | int | None = None
+    role: Role | str = Role.SENDER,
+    fmt: str = "mermaid",
+    *,
+    highlight: KVPoll | str | int | None = None,
+    lifecycle: Lifecycle = KV_LIFECYCLE,
 ) -> bytes:
     """The lifecycle diagram of `role` in `fmt` (one of `FORMATS`), as bytes.
 
@@ -180,10 +202,10 @@ def render(
     if fmt not in FORMATS:
         raise ConfigError(f"diagram format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     if fmt == "mermaid":
-        source: str = _graph(role, "mermaid", highlight).source
+        source: str = _graph(role, "mermaid", highlight, lifecycle).source
         return (source.rstrip("\n") + "\n").encode("utf-8")
     require_graphviz_package(fmt)
-    graph = _graph(role, "graphviz", highlight)
+    graph = _graph(role, "graphviz", highlight, lifecycle)
     if fmt == "dot":
         return str(graph.source).encode("utf-8")
     require_dot_program(fmt)
@@ -193,12 +215,16 @@ def render(
 
 
 def render_text(
-    role: Role | str = Role.SENDER, fmt: str = "mermaid", *, highlight: KVPoll | str | int | None = None
+    role: Role | str = Role.SENDER,
+    fmt: str = "mermaid",
+    *,
+    highlight: KVPoll | str | int | None = None,
+    lifecycle: Lifecycle = KV_LIFECYCLE,
 ) -> str:
     """`render()` for the text formats (mermaid, dot, svg), decoded."""
     if fmt not in TEXT_FORMATS:
         raise ConfigError(f"format {fmt!r} is binary; text formats are {', '.join(sorted(TEXT_FORMATS))}")
-    return render(role, fmt, highlight=highlight).decode("utf-8")
+    return render(role, fmt, highlight=highlight, lifecycle=lifecycle).decode("utf-8")
 
 
 def role_of(path: str | Path, fmt: str | None = None) -> Role | None:
