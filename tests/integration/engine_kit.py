@@ -45,6 +45,7 @@ from kvfsm.backends.remote import RemoteBackend, RemoteConfig
 from kvfsm.testing import BackendConformance, BackendPair
 
 PAGES = 8
+AUX_SLOTS = 4
 LAYERS = 2
 WORDS_PER_PAGE = 4
 SETTLE_LIMIT = 20.0
@@ -56,15 +57,23 @@ CONFIG = RemoteConfig(heartbeat_interval=3600.0)
 
 
 class Pages:
-    """One endpoint's KV tensors, written and read one page token at a time."""
+    """One endpoint's KV tensors and aux slots, written and read one token at a time."""
 
     def __init__(self) -> None:
         self.tensors = [torch.zeros(LAYERS, PAGES, WORDS_PER_PAGE, dtype=torch.int64) for _ in range(2)]
-        self.pools = KVPools.from_tensors(*self.tensors)
+        self.aux = torch.zeros(AUX_SLOTS, 2, dtype=torch.int64)
+        self.pools = KVPools.from_tensors(self.tensors[0], self.tensors[1], self.aux)
 
     def write(self, page: int, token: int) -> None:
         for tensor in self.tensors:
             tensor[:, page] = token
+
+    def write_aux(self, slot: int, token: int) -> None:
+        self.aux[slot] = token
+
+    def read_aux(self, slot: int) -> int:
+        values = self.aux[slot].unique()  # type: ignore[no-untyped-call]
+        return int(values[0]) if values.numel() == 1 else -2
 
     def read(self, page: int) -> int:
         values = torch.cat([tensor[:, page].reshape(-1) for tensor in self.tensors]).unique()  # type: ignore[no-untyped-call]
@@ -104,7 +113,7 @@ def kept_mooncake(role: str) -> KeptMooncakeEngine:
     if role not in _KEPT:
         _KEPT[role] = KeptMooncakeEngine()
     engine = _KEPT[role]
-    for tensor in engine.pages.tensors:
+    for tensor in (*engine.pages.tensors, engine.pages.aux):
         tensor.zero_()  # no token of an earlier example may pass for a write of this one
     return engine
 
@@ -214,6 +223,8 @@ def _pair(sending: Settling, receiving: Settling, source: Pages, destination: Pa
         write_source=source.write,
         read_destination=destination.read,
         write_destination=destination.write,
+        write_source_aux=source.write_aux,
+        read_destination_aux=destination.read_aux,
         settle=lambda: settle_pair(sending, receiving),
     )
 

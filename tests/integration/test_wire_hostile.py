@@ -31,7 +31,7 @@ from .test_engines import ENGINES, WAIT, Pair, _rooms, _skip_if_missing
 pytest.importorskip("zmq", reason="pyzmq is needed for the control plane")
 pytest.importorskip("torch", reason="torch is needed for the KV pools")
 
-from kvfsm.backends import control  # noqa: E402
+from kvfsm.backends import control
 
 
 @pytest.fixture(params=ENGINES)
