@@ -73,6 +73,11 @@ __all__ = [
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
+#: The longest the control thread goes without housekeeping (a quarter of the heartbeat interval
+#: below that): heartbeats, liveness and expiries need no finer grain, and every endpoint idles at
+#: this rate (measured: 32 idle endpoints at a 0.05 s tick took 0.11 s of CPU per second).
+_MOST_TICK = 0.25
+
 
 class RemoteBackend(KVBackend):
     """A `KVBackend` whose peer is another process; subclasses pick the engine (`_make_engine`).
@@ -117,7 +122,7 @@ class RemoteBackend(KVBackend):
             on_housekeeping=self.endpoint.housekeeping,
             host=self.config.host,
             port=self.config.port,
-            tick=min(0.05, self.config.heartbeat_interval / 4),
+            tick=min(_MOST_TICK, self.config.heartbeat_interval / 4),
             name=f"kvfsm-{self.name}-{self.role.value}",
         )
 
