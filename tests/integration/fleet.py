@@ -258,6 +258,7 @@ class _Host:
             return
         if not handle.is_terminal:
             return
+        state = handle.state  # it may have ended since poll(), on the control thread: read it again
         if "ended" not in room.result:
             reason = handle.reason
             room.result.update(
