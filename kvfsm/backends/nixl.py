@@ -27,7 +27,7 @@ NIXL's own progress thread is off by default (`progress_thread=True`
 turns it on): it spins without pause (NIXL sets its delay to 0), which on
 a small CPU box starves every other thread (measured here: one-page
 writes went from about 0.1 ms to 10-25 ms). Without it the engine makes
-progress whenever it is polled, and this backend polls: the writer thread
+progress whenever it is polled, and this backend polls: the writer lanes
 with `check_xfer_state`, the decode's control thread with
 `get_new_notifs` every 0.1 ms while a prefill may be writing into it.
 
