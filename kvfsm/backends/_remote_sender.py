@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
@@ -337,9 +338,11 @@ class PrefillEndpoint(RemoteEndpoint):
         lanes = self.lanes
         for lane in lanes:
             lane.put("exit")
+        # 5 s for all of them, not each: a lane stuck in an engine call is left behind (a daemon thread).
+        deadline = time.monotonic() + 5.0
         for lane in lanes:
             if lane.thread is not None:
-                lane.thread.join(5.0)
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the scheduler's calls ------------------------------------------------------------------
 

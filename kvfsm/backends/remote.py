@@ -114,9 +114,10 @@ class RemoteBackend(KVBackend):
         try:
             from .control import ControlPlane
         except ModuleNotFoundError as exc:
+            # Chained, not `from None`: a tool that names the missing module reads it from the cause.
             raise BackendError(
                 f"{type(self).__name__} needs pyzmq for its control plane: pip install 'kvfsm[engines]' ({exc})"
-            ) from None
+            ) from exc
         return ControlPlane(
             on_frames=self.endpoint.admit,
             on_housekeeping=self.endpoint.housekeeping,
