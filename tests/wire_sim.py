@@ -3,7 +3,8 @@
 `RemoteBackend` has two seams for this: `_make_transport` (here a
 `SimTransport` that puts every frame into `SimNet.inflight` instead of a
 socket) and `_start_threads` (here nothing: the test calls `receive`,
-`housekeeping` and `pump` itself). Every other line that runs is the
+`housekeeping` and `pump` itself; `pump` runs one turn of every writer lane
+of the prefill, one lane per decode session). Every other line that runs is the
 production code. The engine is `SimEngine`: a write is a `SimJob` that
 stays in flight until the test completes it (copying the bytes for real
 with `ctypes.memmove` between torch tensors) or fails it, in any order.
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 
 import kvfsm
+from kvfsm.backends._remote_receiver import DecodeEndpoint
+from kvfsm.backends._remote_sender import PrefillEndpoint
 from kvfsm.backends._transport import ControlStats
 from kvfsm.backends.base import BackendError, KVPools, MemoryRegion
 from kvfsm.backends.remote import EngineAdapter, EngineBusy, EngineJob, RemoteBackend, RemoteConfig, Write
@@ -77,8 +80,8 @@ class SimTransport:
         self.stats.sent += 1
         return True
 
-    def close_channel(self, channel: SimChannel) -> None:
-        channel.closed = True
+    def close_channel(self, channel: SimChannel, *, flush: bool = False) -> None:
+        channel.closed = True  # what was sent on it is in `SimNet.inflight` already
 
     def wake(self) -> None:
         return  # the test runs housekeeping itself
@@ -189,6 +192,30 @@ class SimBackend(RemoteBackend):
         assert isinstance(self.engine, SimEngine)
         return self.engine
 
+    @property
+    def prefill(self) -> PrefillEndpoint:
+        """The prefill half (a prefill's endpoint)."""
+        assert isinstance(self.endpoint, PrefillEndpoint)
+        return self.endpoint
+
+    @property
+    def decode(self) -> DecodeEndpoint:
+        """The decode half (a decode's endpoint)."""
+        assert isinstance(self.endpoint, DecodeEndpoint)
+        return self.endpoint
+
+    def commands_queued(self) -> int:
+        """Commands the prefill's lanes have not taken up yet."""
+        if not isinstance(self.endpoint, PrefillEndpoint):
+            return 0
+        return sum(lane.commands.qsize() for lane in self.endpoint.lanes)
+
+    def active_claims(self) -> list[Any]:
+        """The claims the prefill's lanes poll (writes in flight, stopped, or a chunk to complete)."""
+        if not isinstance(self.endpoint, PrefillEndpoint):
+            return []
+        return [claim for lane in self.endpoint.lanes for claim in lane.active.values()]
+
 
 class Pools:
     """One endpoint's KV and aux tensors (one layer: K and V regions)."""
@@ -258,13 +285,13 @@ class World:
         for _ in range(rounds):
             for endpoint in self.endpoints:
                 endpoint.deliver_notices()
-            before = (len(self.net.inflight), len(self.prefill.sim_engine.inflight), self.prefill._work.qsize())
+            before = (len(self.net.inflight), len(self.prefill.sim_engine.inflight), self.prefill.commands_queued())
             self.pump()
             for job in list(self.prefill.sim_engine.inflight):
                 job.complete()
             self.pump()
             self.net.deliver_all()
             self.pump()
-            after = (len(self.net.inflight), len(self.prefill.sim_engine.inflight), self.prefill._work.qsize())
+            after = (len(self.net.inflight), len(self.prefill.sim_engine.inflight), self.prefill.commands_queued())
             if before == after == (0, 0, 0):
                 return

@@ -351,7 +351,7 @@ class WireBoundsDirective(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from kvfsm.backends import _remote_endpoint, _remote_sender
+        from kvfsm.backends import _remote_endpoint, _remote_sender, control, remote
 
         config, plane = _remote_defaults()
         window = config["heartbeat_interval"] * config["heartbeat_misses"]
@@ -370,14 +370,26 @@ class WireBoundsDirective(SphinxDirective):
             ),
             (
                 "frames per message",
-                "2 or 3",
-                "codec.decode (magic, header, optional blob)",
+                "3 or 4",
+                "codec.envelope (magic, envelope, header, optional blob)",
                 "dropped, counted as malformed",
+            ),
+            (
+                "envelope frame (type, session id and secret, MAC)",
+                _size(wire.MAX_ENVELOPE_BYTES),
+                "wire.MAX_ENVELOPE_BYTES, read before any JSON; a frame naming no session stops here",
+                "dropped, counted as oversized (no session: unauthenticated)",
             ),
             (
                 "header frame",
                 _size(wire.MAX_HEADER_BYTES),
                 "wire.MAX_HEADER_BYTES, checked before the JSON is parsed",
+                "dropped, counted as oversized",
+            ),
+            (
+                "HELLO / HELLO_ACK header (parsed before a session vouches for it)",
+                _size(wire.MAX_HELLO_BYTES),
+                "wire.MAX_HELLO_BYTES, checked before the JSON is parsed",
                 "dropped, counted as oversized",
             ),
             (
@@ -399,28 +411,52 @@ class WireBoundsDirective(SphinxDirective):
                 "dropped, counted as malformed",
             ),
             (
-                "frames handled per loop turn",
+                "messages taken in per loop turn",
                 f"{plane['frames_per_turn']}",
-                "ControlPlane frames_per_turn; the turn also ends as soon as housekeeping is due",
-                "the rest wait in ZeroMQ's queue; housekeeping runs first",
+                "ControlPlane frames_per_turn; their handling ends as soon as housekeeping is due",
+                "the rest wait in ZeroMQ's queue; before housekeeping every message waiting is taken in",
+            ),
+            (
+                "messages taken in, not handled yet",
+                f"{plane['max_backlog']:,} and {_size(plane['max_backlog_bytes'])}",
+                "ControlPlane max_backlog, max_backlog_bytes (their senders already count as heard)",
+                "nothing more is taken in until it drains: ZeroMQ queues, then stops reading",
             ),
             (
                 "housekeeping period",
-                f"at most min({plane['tick']:g} s, heartbeat_interval / 4)",
+                f"at most min({remote._MOST_TICK:g} s, heartbeat_interval / 4)",
                 "RemoteBackend's ControlPlane tick: heartbeats, liveness, expiries",
                 "runs whatever arrives",
             ),
             (
                 "half-open sessions (HELLO answered, not confirmed)",
-                f"{config['max_half_open']}",
+                f"{config['max_half_open']} and {_size(_remote_endpoint._HALF_OPEN_BYTES)} of HELLOs",
                 "RemoteConfig.max_half_open",
-                "a new HELLO evicts the oldest half-open session (never a confirmed one)",
+                "a new HELLO evicts the oldest half-open session (never a confirmed one) and tells it BYE",
             ),
             (
                 "sessions, so outgoing sockets",
                 f"{config['max_sessions']}",
                 "RemoteConfig.max_sessions (one PUSH socket per session)",
-                "a HELLO is dropped once only confirmed sessions are left (counted in sessions_evicted)",
+                "a HELLO is answered BYE once only confirmed sessions are left (counted in hellos_dropped)",
+            ),
+            (
+                "sockets kept open a moment for a last BYE",
+                f"{control._LINGERING}, {control._LINGER:g} s each",
+                "ControlPlane close_channel(flush=True)",
+                "the oldest is closed at once (its BYE may not leave)",
+            ),
+            (
+                "handshake attempts of a decode the prefill did not accept",
+                f"{config['handshake_attempts']}",
+                "RemoteConfig.handshake_attempts (a jittered pause, doubling, between them)",
+                "the rooms waiting on it fail BOOTSTRAP_ERROR at once",
+            ),
+            (
+                "one engine call about one decode (a submit, its peer's opening)",
+                f"{config['engine_call_timeout']:g} s",
+                "RemoteConfig.engine_call_timeout, watched by the prefill's housekeeping",
+                "that decode's session is lost, its rooms fail TRANSFER_ERROR; other lanes go on",
             ),
             (
                 "early claims and aborts of one session",

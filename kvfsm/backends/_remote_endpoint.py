@@ -2,20 +2,30 @@
 
 A decode (receiver) and a prefill (sender) endpoint speak the protocol of
 `kvfsm.backends.wire`. This module holds what neither half owns:
-`RemoteConfig` (validated), `RemoteStats`, and `RemoteEndpoint`, the base
-class that turns received bytes into authenticated frames (`receive`),
-runs the session layer (handshake bookkeeping, heartbeats, liveness, BYE)
-and the periodic work (`housekeeping`), and sends the frames a wire row
-declares (`_emit`). Each half implements the handlers of the frames its
-role receives and the wire rows of its records.
+`RemoteConfig` (validated), `RemoteStats`, and `RemoteEndpoint`, the
+session layer both halves are built on. A `RemoteBackend` (`remote.py`)
+holds exactly one half (`DecodeEndpoint` or `PrefillEndpoint`): the roles
+are composed, not mixed.
+
+The session layer turns received bytes into authenticated frames in two
+steps. `admit(frames)` runs as each message arrives: it reads the envelope
+(never the JSON header), authenticates the session, notes that its peer
+was heard *now* (liveness is judged by arrival, not by when a frame is
+handled), checks a handshake's MAC, and returns the rest of the work, or
+nothing for a frame that names no session. The transport runs that work
+in arrival order, later in the same turn (`receive` does both at once).
+It also runs the periodic work (`housekeeping`: heartbeats, liveness,
+expiries) and sends the frames a wire row declares (`_emit`). Each half
+implements the handlers of the frames its role receives and the wire
+rows of its records.
 
 No IO happens here: frames go out through `self.transport` (ZeroMQ in
 production, a simulated network in tests/property/test_wire_model.py),
-time comes from the manager's clock, and the writer thread of the prefill
-is started by `remote.py`. Handle events are never fired while the
-endpoint's lock is held: each handler collects them and fires them after
-releasing it, so an observer that calls back into the endpoint (the
-backend's own `_stop`) never finds it half-way through a change.
+time comes from the manager's clock, and the prefill's writer lanes get
+their threads only when `remote.py` says so. Handle events are never fired
+while the endpoint's lock is held: each handler collects them and fires
+them after releasing it, so an observer that calls back into the endpoint
+(the backend's own `_stop`) never finds it half-way through a change.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import attrs
 
@@ -36,11 +46,15 @@ from .._states import FailureKind, FailureReason, Role
 from . import codec, wire
 from ._remote_engine import EngineAdapter
 from ._sessions import Session, SessionState, SessionTable
-from ._transport import Transport
-from .base import KVBackend, KVPools, MemoryRegion
+from ._transport import ControlStats, Transport
+from .base import KVPools, MemoryRegion
+
+if TYPE_CHECKING:
+    from .._manager import TransferHandle, TransferManager
 
 __all__ = [
     "Fire",
+    "Host",
     "RemoteConfig",
     "RemoteEndpoint",
     "RemoteStats",
@@ -63,6 +77,9 @@ _BYE_GRACE = 0.25
 #: Claim generations a session remembers after their records were dropped, so a replayed
 #: or duplicated claim of a finished transfer is recognised.
 _SEEN_PER_SESSION = 16384
+#: Most bytes of HELLOs a prefill keeps for its half-open sessions (a keyless flood of
+#: large handshakes evicts the oldest, it does not grow the process).
+_HALF_OPEN_BYTES = 64 << 20
 
 
 def _positive(name: str, *, zero: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -119,7 +136,15 @@ class RemoteConfig:
     (16 bytes or more, the same on every endpoint) authenticates the
     handshake itself: without it any process that reaches the control port
     can open a session of its own (see the docs' threat model).
-    `max_sessions` and `max_half_open` bound sessions (and so sockets);
+    `max_sessions` and `max_half_open` bound sessions (and so sockets):
+    256 decodes bootstrapping at the same instant all fit the defaults, and
+    a decode whose half-open session is evicted anyway is told and tries
+    again (`handshake_attempts` times in all, then its rooms fail with
+    `BOOTSTRAP_ERROR`). `engine_call_timeout` bounds an engine call about
+    one decode (its first write opens Mooncake's segment with a
+    synchronous handshake): past it, that decode's session is lost and its
+    rooms fail, while the calls about every other decode go on in their own
+    lanes;
     `max_pending`, `max_pending_per_session` and `max_pending_pages` bound
     the early claims and aborts held for rooms not bootstrapped yet (in
     entries, and in the pages those claims list).
@@ -132,8 +157,10 @@ class RemoteConfig:
     poll_interval: float = attrs.field(default=0.001, validator=_positive("poll_interval", zero=True))
     pending_ttl: float = attrs.field(default=300.0, validator=_positive("pending_ttl"))
     shared_key: bytes | None = attrs.field(default=None, converter=_key, validator=_key_length, repr=False)
-    max_sessions: int = attrs.field(default=256, validator=_count("max_sessions", 1))
-    max_half_open: int = attrs.field(default=16, validator=_count("max_half_open", 1))
+    max_sessions: int = attrs.field(default=512, validator=_count("max_sessions", 1))
+    max_half_open: int = attrs.field(default=256, validator=_count("max_half_open", 1))
+    handshake_attempts: int = attrs.field(default=8, validator=_count("handshake_attempts", 1))
+    engine_call_timeout: float = attrs.field(default=10.0, validator=_positive("engine_call_timeout"))
     max_pending: int = attrs.field(default=65536, validator=_count("max_pending", 1))
     max_pending_per_session: int = attrs.field(default=4096, validator=_count("max_pending_per_session", 1))
     max_pending_pages: int = attrs.field(default=1 << 20, validator=_count("max_pending_pages", 1))
@@ -170,8 +197,14 @@ class RemoteStats:
     abort_acks_received: int = 0
     peers_lost: int = 0
     sessions_refused: int = 0
-    #: HELLOs dropped because every session this endpoint may hold is confirmed.
+    #: HELLOs refused because every session this endpoint may hold is confirmed (told: BYE).
     hellos_dropped: int = 0
+    #: Decode side: handshakes tried again after the prefill did not accept one (or went silent).
+    handshake_retries: int = 0
+    #: Prefill side: sessions lost because an engine call about their decode did not return in time.
+    engine_calls_stuck: int = 0
+    #: Engine calls that raised where a status was expected (a job's poll, cancel or release).
+    engine_errors: int = 0
 
 
 def pools_fields(pools: KVPools) -> dict[str, Any]:
@@ -257,47 +290,65 @@ class SeenClaims:
         return gen in self._gens
 
 
-class RemoteEndpoint(KVBackend):
+class Host(Protocol):
+    """What an endpoint half needs of the `KVBackend` that holds it."""
+
+    name: str
+    manager: TransferManager
+    pools: KVPools | None
+
+    def _reject(self, handle: TransferHandle, problem: str) -> NoReturn: ...
+
+    def _timeout_fails(self) -> bool: ...
+
+
+class RemoteEndpoint(abc.ABC):
     """The session layer and the frame plumbing both halves of an endpoint use."""
 
-    config: RemoteConfig
-    engine: EngineAdapter
-    remote_stats: RemoteStats
-    transport: Transport
-    sessions: SessionTable
-    _lock: threading.Lock
-    _next_heartbeat: float
     #: Whether the frames this endpoint sends are checked field by field before they go out.
     #: Off in production (they are built from values checked when they came in); the test
     #: suite turns it on (tests/conftest.py), so a sender bug fails there, not at a peer.
     check_frames: bool = False
+    #: The messages this half sends (a frame of that kind arriving here is not from a peer).
+    sends: wire.Sender
 
-    @abc.abstractmethod
-    def _make_engine(self) -> EngineAdapter:
-        """Create and initialise the engine (raise `BackendError` if it cannot run here)."""
+    def __init__(self, host: Host, config: RemoteConfig, engine: EngineAdapter) -> None:
+        self.host = host
+        self.name = host.name
+        self.manager = host.manager
+        self.role: Role = host.manager.role
+        self.config = config
+        self.engine = engine
+        self.remote_stats = RemoteStats()
+        self._lock = threading.Lock()
+        self._next_heartbeat = 0.0
+        self.sessions = SessionTable(
+            self.manager._clock,
+            window=config.peer_window,
+            max_sessions=config.max_sessions,
+            max_half_open=config.max_half_open,
+            max_half_open_bytes=_HALF_OPEN_BYTES,
+        )
+        self.transport: Transport = _NoTransport()
 
-    def _timeout_fails(self) -> bool:
-        return False
+    @property
+    def pools(self) -> KVPools | None:
+        return self.host.pools
 
     @property
     def address(self) -> str:
         return self.transport.address
 
-    @property
-    def control(self) -> Any:
-        """The transport (kept under its old name: tests and tools read `control.stats`)."""
-        return self.transport
-
     def _clock_now(self) -> float:
         return self.manager._clock()
-
-    def _register_pools(self, pools: KVPools) -> None:
-        self.engine.register([*pools.kv, *pools.aux])
 
     def _session_fields(self) -> tuple[dict[str, Any], bytes | None]:
         assert self.pools is not None
         fields, blob = self.engine.session()
         return {**fields, "pools": pools_fields(self.pools)}, blob
+
+    def _reject(self, handle: TransferHandle, problem: str) -> NoReturn:
+        self.host._reject(handle, problem)
 
     # -- frames out --------------------------------------------------------------------------
 
@@ -321,64 +372,111 @@ class RemoteEndpoint(KVBackend):
                 self.remote_stats.abort_acks_sent += 1
             self._send_frame(session, kind, fields, blob)
 
+    def _handshake_frames(self, kind: str, fields: dict[str, Any], blob: bytes | None) -> list[bytes]:
+        """A HELLO or HELLO_ACK, with its MAC when a shared key is set."""
+        return codec.encode(kind, fields, blob, check=self.check_frames, mac_key=self.config.shared_key)
+
     # -- frames in ---------------------------------------------------------------------------
 
     def receive(self, frames: list[bytes]) -> None:
-        """One message from the transport: validate, authenticate, dispatch. Never raises on bad input."""
+        """One message from the transport: admit it, then handle it. Never raises on bad input."""
+        work = self.admit(frames)
+        if work is not None:
+            work()
+
+    def admit(self, frames: list[bytes]) -> Callable[[], None] | None:
+        """What a message costs on arrival: its envelope, its session, its MAC; never its JSON.
+
+        Returns the rest of its handling (run it in arrival order), or None
+        when the message is dropped here: malformed, not from a peer, naming
+        no session of ours, or a handshake without the shared key's MAC. An
+        authenticated message counts its session as heard now, however long
+        the messages before it take to handle.
+        """
         stats = self.transport.stats
         try:
-            frame = codec.decode(frames)
+            head = codec.envelope(frames)
         except codec.MalformedFrame as exc:
             setattr(stats, exc.category, getattr(stats, exc.category) + 1)
             logger.debug("kvfsm %s: dropped a %s control message: %s", self.name, exc.category, exc)
-            return
-        spec = wire.SPECS[frame.type]
-        mine = wire.Sender.PREFILL if self.role is Role.SENDER else wire.Sender.DECODE
-        if spec.sender is mine:
-            # A frame only the other role sends: whoever sent it is not our peer.
+            return None
+        if head.spec.sender is self.sends:
+            # A frame only our own role sends: whoever sent it is not our peer.
             self.remote_stats.stale_messages += 1
-            return
-        if frame.type == "HELLO":
-            self._on_hello(frame)
-            return
-        fire: Fire = []
+            return None
+        key = self.config.shared_key
+        if head.type == "HELLO":
+            if key is not None and not codec.verify_mac(key, head, frames):
+                stats.unauthenticated += 1
+                return None
+            return lambda: self._handle_hello(head, frames)
         with self._lock:
-            session = self.sessions.authenticate(frame.fields)
+            session = self.sessions.authenticate(head.sid, head.key)
             if session is None:
                 stats.unauthenticated += 1
+                return None
+            if head.spec.handshake and key is not None and not codec.verify_mac(key, head, frames):
+                stats.unauthenticated += 1
+                return None
+            self.sessions.heard(session, self._clock_now())
+        return lambda: self._handle(session, head, frames)
+
+    def _handle_hello(self, head: codec.Envelope, frames: list[bytes]) -> None:
+        try:
+            frame = codec.decode_body(head, frames)
+        except codec.MalformedFrame as exc:
+            self._count_malformed(exc)
+            return
+        self._on_hello(frame, sum(len(f) for f in frames))
+
+    def _handle(self, session: Session, head: codec.Envelope, frames: list[bytes]) -> None:
+        if head.spec.fields:
+            try:
+                frame = codec.decode_body(head, frames)
+            except codec.MalformedFrame as exc:
+                self._count_malformed(exc)
                 return
-            if session.refused is not None:
+        else:
+            frame = codec.Frame(head.type, {"sid": head.sid, "key": head.key})
+        fire: Fire = []
+        with self._lock:
+            if session.state is SessionState.CLOSED or session.refused is not None:
                 self.remote_stats.stale_messages += 1
                 return
-            confirming = session.state is SessionState.HALF_OPEN
-            self.sessions.heard(session)
-            if confirming and not self._confirmed(session):
-                return
-            if frame.type == "HEARTBEAT":
-                return
-            if frame.type == "BYE":
-                session.bye = True
-                # Lost after a short grace, not at once: what the peer's engine wrote just
-                # before may still be landing.
-                session.last_seen = (
-                    self._clock_now() - self.config.peer_window + min(self.config.heartbeat_interval, _BYE_GRACE)
-                )
-                return
-            self._on_frame(session, frame, fire)
+            if self._heard(session, frame, fire):
+                if frame.type == "BYE":
+                    self._on_bye(session, fire)
+                elif frame.type != "HEARTBEAT":
+                    self._on_frame(session, frame, fire)
         for event in fire:
             event()
 
-    def _confirmed(self, session: Session) -> bool:
-        """A half-open session's first frame arrived (lock held); False if the session is refused now."""
+    def _count_malformed(self, exc: codec.MalformedFrame) -> None:
+        stats = self.transport.stats
+        setattr(stats, exc.category, getattr(stats, exc.category) + 1)
+        logger.debug("kvfsm %s: dropped a %s control message: %s", self.name, exc.category, exc)
+
+    def _heard(self, session: Session, frame: codec.Frame, fire: Fire) -> bool:
+        """A frame of `session` is handled now (lock held): confirm the handshake if due; False to drop it."""
         return True
 
+    def _on_bye(self, session: Session, fire: Fire) -> None:
+        """The peer shuts down (lock held): lost after a short grace, not at once.
+
+        What the peer's engine wrote just before may still be landing.
+        """
+        session.bye = True
+        session.last_seen = (
+            self._clock_now() - self.config.peer_window + min(self.config.heartbeat_interval, _BYE_GRACE)
+        )
+
     @abc.abstractmethod
-    def _on_hello(self, frame: codec.Frame) -> None:
-        """A HELLO (only a prefill takes them)."""
+    def _on_hello(self, frame: codec.Frame, nbytes: int) -> None:
+        """A HELLO of `nbytes` bytes (only a prefill takes them)."""
 
     @abc.abstractmethod
     def _on_frame(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
-        """An authenticated frame of `session` (lock held); handle events go into `fire`."""
+        """An authenticated room frame (or HELLO_ACK) of `session` (lock held); handle events go into `fire`."""
 
     # -- the periodic work ----------------------------------------------------------------------
 
@@ -403,26 +501,28 @@ class RemoteEndpoint(KVBackend):
                 if session.bye:
                     why = "it shut down (BYE)"
                 elif session.state is SessionState.HANDSHAKE:
-                    why = f"it did not answer the handshake within {window:g}s"
+                    why = f"it did not complete the handshake within {window:g}s"
                 else:
                     why = f"no message for {now - session.last_seen:.2f}s (window {window:g}s)"
                 lost.append((session, why))
             for session, why in lost:
                 self._lose(session, why, fire)
-            self._expire(now, fire)
+            hint = self._expire(now, fire)
         for event in fire:
             event()
         wait = self._next_heartbeat - now
-        hint = self._poll_engine(now)
-        return wait if hint is None else min(wait, hint)
+        if hint is not None:
+            wait = min(wait, max(0.0, hint - now))
+        engine = self._poll_engine(now)
+        return wait if engine is None else min(wait, engine)
 
     def _poll_engine(self, now: float) -> float | None:
         """Engine work the control thread does (the decode's NIXL progress); a shorter wait if busy."""
         return None
 
     @abc.abstractmethod
-    def _expire(self, now: float, fire: Fire) -> None:
-        """Drop what outlived its time-to-live (lock held)."""
+    def _expire(self, now: float, fire: Fire) -> float | None:
+        """Drop what outlived its time-to-live (lock held); when it wants to run again, if sooner."""
 
     def _lose(self, session: Session, why: str, fire: Fire) -> None:
         """`session` is gone: close it and fail what depended on it (lock held).
@@ -435,36 +535,56 @@ class RemoteEndpoint(KVBackend):
         if was is SessionState.HALF_OPEN:
             self.transport.stats.sessions_evicted += 1
             logger.debug("kvfsm %s: unconfirmed session with %s dropped: %s", self.name, session.addr, why)
-        else:
+        elif was is SessionState.UP:
             self.remote_stats.peers_lost += 1
             self.transport.stats.peers_lost += 1
             logger.warning("kvfsm %s %s: session with %s lost: %s", self.name, self.role.value, session.addr, why)
         if session.channel is not None:
             self.transport.close_channel(session.channel)
             session.channel = None
-        if session.target is not None:
-            target, session.target = session.target, None
-            fire.append(lambda: self.engine.remove_peer(target))
         self._session_lost(session, was, why, fire)
 
     @abc.abstractmethod
     def _session_lost(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
         """Fail the records of a lost session (lock held)."""
 
-    def _say_bye(self) -> None:
+    def say_bye(self) -> None:
         with self._lock:
             for session in self.sessions.up():
                 self._send_frame(session, "BYE", {})
 
-    def _verify_mac(self, kind: str, frame: codec.Frame) -> bool:
-        """With a shared key, whether a handshake frame carries the right MAC (constant time)."""
-        key = self.config.shared_key
-        if key is None:
-            return True
-        mac = frame["mac"]
-        expected = codec.handshake_mac(key, kind, frame.fields, frame.blob)
-        return isinstance(mac, str) and secrets.compare_digest(mac, expected)
+    def shutdown(self) -> None:
+        """Stop this half's own work (threads); the backend stops the transport and the engine."""
+        return
 
-    def _mac(self, kind: str, fields: dict[str, Any], blob: bytes | None) -> str | None:
-        key = self.config.shared_key
-        return None if key is None else codec.handshake_mac(key, kind, {**fields, "mac": None}, blob)
+    # -- the backend's calls, by role ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def bootstrap(self, handle: TransferHandle, peer: str) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self, handle: TransferHandle) -> None: ...
+
+    @abc.abstractmethod
+    def forget(self, handle: TransferHandle) -> None: ...
+
+
+class _NoTransport:
+    """Where frames go before `RemoteBackend` attached the real transport (nowhere)."""
+
+    address = "unattached"
+
+    def __init__(self) -> None:
+        self.stats = ControlStats()
+
+    def connect(self, addr: str) -> Any:
+        raise RuntimeError("no transport attached yet")
+
+    def send(self, channel: Any, frames: list[bytes]) -> bool:
+        return False
+
+    def close_channel(self, channel: Any, *, flush: bool = False) -> None:
+        return
+
+    def wake(self) -> None:
+        return

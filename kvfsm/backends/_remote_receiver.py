@@ -1,13 +1,26 @@
 """The decode (receiver) half of a remote endpoint.
 
-A decode endpoint opens one session per prefill it meets (HELLO, answered
-by HELLO_ACK), mints a generation for every `bootstrap()`, claims the
-prefill's room with its pages when the scheduler calls `expect()` (ROOM),
-and turns what the prefill's session says back (CHUNK, DONE, ABORT,
-ABORT_ACK) into lifecycle events. Each room's wire record moves only by
-`wire.DECODE_TABLE`; a frame the table does not take in the record's state
-is dropped and counted (`remote_stats.stale_messages`), so a late DONE
-never reaches a failed room and a duplicated ABORT_ACK never opens anything.
+A decode endpoint opens one session per prefill it meets, mints a
+generation for every `bootstrap()`, claims the prefill's room with its
+pages when the scheduler calls `expect()` (ROOM), and turns what the
+prefill's session says back (CHUNK, DONE, ABORT, ABORT_ACK) into lifecycle
+events. Each room's wire record moves only by `wire.DECODE_TABLE`; a frame
+the table does not take in the record's state is dropped and counted
+(`remote_stats.stale_messages`), so a late DONE never reaches a failed
+room and a duplicated ABORT_ACK never opens anything.
+
+The handshake (see `wire`): HELLO, the prefill's HELLO_ACK, our HEARTBEAT
+to confirm it, and the prefill's HEARTBEAT back. Only that last one puts
+the session up and bootstraps its rooms: until then nothing of ours is
+sent that the prefill could drop as unauthenticated. A prefill that does
+not accept the handshake says BYE (its half-open sessions were full, or
+it holds all the sessions it may); so does one that answered but then let
+the confirmation lapse, silently, past the window. Either way the decode
+tries again with a fresh session after a short, jittered pause,
+`RemoteConfig.handshake_attempts` times in all, and then fails the rooms
+waiting on it with `BOOTSTRAP_ERROR` at once. A refusal (HELLO_ACK naming
+why: another engine, another layout) fails them at once; a prefill that
+never answers fails them when the window passes.
 
 Release (rule 13): a failed room is reported drained only when the prefill
 cannot write into its pages any more: it never claimed them, or its
@@ -25,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import random
 from typing import Any
 
 from .._manager import TransferHandle
@@ -34,7 +48,7 @@ from ._errors import BackendError
 from ._remote_endpoint import Fire, RemoteEndpoint, new_generation, peer_reason, pools_from_fields, step
 from ._sessions import Session, SessionState
 
-__all__ = ["ReceiverSide", "RecvRecord"]
+__all__ = ["DecodeEndpoint", "RecvRecord"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
@@ -46,12 +60,17 @@ _WRITABLE = frozenset({_D.CLAIMED, _D.RECEIVING, _D.ABORTING, _D.PEER_ABORTED})
 _QUIET = frozenset({_D.SETTLED, _D.UNTOLD, _D.DONE})
 #: While a notifying engine may be writing into us, poll it this often (seconds).
 _BUSY_TICK = 0.0001
+#: The pause before a handshake is tried again: this, doubling per attempt, at most
+#: `_RETRY_MOST` (and half the window), each drawn from 50% to 150% of it so a burst of
+#: decodes refused together does not come back together.
+_RETRY_FIRST = 0.02
+_RETRY_MOST = 1.0
 
 
 class RecvRecord:
     """One decode generation of a room: its handle, session, generation and claim."""
 
-    __slots__ = ("aux", "gen", "handle", "pages", "pgen", "session", "wire")
+    __slots__ = ("aux", "expected", "gen", "handle", "pages", "pgen", "session", "wire")
 
     def __init__(self, handle: TransferHandle, session: Session) -> None:
         self.handle = handle
@@ -60,6 +79,7 @@ class RecvRecord:
         self.pgen: int | None = None
         self.pages: list[int] = []
         self.aux: int | None = None
+        self.expected = False
         self.wire: wire.DecodeWire | None = None
 
     def fields(self, kind: str) -> dict[str, Any]:
@@ -75,29 +95,31 @@ class RecvRecord:
         }
 
 
-class ReceiverSide(RemoteEndpoint):
+class DecodeEndpoint(RemoteEndpoint):
     """Bootstrap, expect, stop and the frames of a decode endpoint."""
 
-    _recv_by_handle: dict[tuple[Any, int], RecvRecord]
-    # Records the prefill may be writing into (`_WRITABLE`; the engine is polled while any is).
-    _claimed: set[RecvRecord]
+    sends = wire.Sender.DECODE
 
-    def _init_receiver(self) -> None:
-        self._recv_by_handle = {}
-        self._claimed = set()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recv_by_handle: dict[tuple[Any, int], RecvRecord] = {}
+        # Records the prefill may be writing into (`_WRITABLE`; the engine is polled while any is).
+        self._claimed: set[RecvRecord] = set()
+        # Sessions whose (next) HELLO waits for its pause to end.
+        self._hellos_due: list[Session] = []
 
     # -- the scheduler's calls ------------------------------------------------------------------
 
-    def _bootstrap_receiver(self, handle: TransferHandle, peer_addr: str) -> None:
+    def bootstrap(self, handle: TransferHandle, peer: str) -> None:
         fire: Fire = []
         with self._lock:
-            session = self.sessions.find_up(peer_addr)
+            session = self.sessions.find_up(peer)
             if session is None:
                 try:
-                    session = self._open_session(peer_addr, fire)
+                    session = self._open_session(peer)
                 except (OverflowError, ValueError) as exc:
                     reason = FailureReason(
-                        FailureKind.BOOTSTRAP_ERROR, f"no session with the prefill at {peer_addr!r:.200}: {exc}"
+                        FailureKind.BOOTSTRAP_ERROR, f"no session with the prefill at {peer!r:.200}: {exc}"
                     )
                     fire.append(functools.partial(handle.fail, reason))
             if session is not None:
@@ -111,7 +133,8 @@ class ReceiverSide(RemoteEndpoint):
         for event in fire:
             event()
 
-    def _open_session(self, addr: str, fire: Fire) -> Session:
+    def _open_session(self, addr: str, attempt: int = 0, at: float | None = None) -> Session:
+        """A new session with the prefill at `addr`; its HELLO goes out now, or at `at` (lock held)."""
         try:
             channel = self.transport.connect(addr)
         except Exception as exc:  # ZeroMQ refuses an address it cannot parse
@@ -122,6 +145,16 @@ class ReceiverSide(RemoteEndpoint):
             self.transport.close_channel(channel)
             raise
         session.channel = channel
+        session.attempt = attempt
+        if at is None:
+            self._say_hello(session)
+        else:
+            # Silent from the pause's end, not from now: the window counts from the HELLO.
+            session.hello_at = session.last_seen = at
+            self._hellos_due.append(session)
+        return session
+
+    def _say_hello(self, session: Session) -> None:
         fields, blob = self._session_fields()
         hello: dict[str, Any] = {
             "addr": self.address,
@@ -131,19 +164,23 @@ class ReceiverSide(RemoteEndpoint):
             "engine": self.name,
             "session": fields,
         }
-        hello["mac"] = self._mac("HELLO", hello, blob)
-        self.transport.send(session.channel, codec.encode("HELLO", hello, blob))
-        return session
+        session.hello_at = None
+        session.last_seen = self._clock_now()
+        self.transport.send(session.channel, self._handshake_frames("HELLO", hello, blob))
 
-    def _expect(self, handle: TransferHandle, pages: list[int], aux_index: int | None) -> None:
+    def expect(self, handle: TransferHandle, pages: list[int], aux_index: int | None) -> None:
         with self._lock:
             rec = self._recv_by_handle.get((handle.room, handle.generation))
             if rec is None:
                 raise BackendError(f"room {handle.room!r}: expect() before bootstrap()")
-            if len(pages) > wire.MAX_PAGES:
+            if rec.expected:
+                # The claim with the first pages went out: the prefill writes there, whatever we say now.
+                problem: str | None = f"expect() was already called ({len(rec.pages)} pages)"
+            elif len(pages) > wire.MAX_PAGES:
                 problem = f"{len(pages)} destination pages; one room can claim at most {wire.MAX_PAGES}"
             else:
                 problem = None
+                rec.expected = True
                 rec.pages, rec.aux = pages, aux_index
                 row = step(wire.DECODE_TABLE, rec, "expect")
                 if row is not None:
@@ -154,7 +191,7 @@ class ReceiverSide(RemoteEndpoint):
         if self.engine.receiver_progress:
             self.transport.wake()  # the engine needs polling from now on, not at the next tick
 
-    def _stop_receiver(self, handle: TransferHandle) -> None:
+    def stop(self, handle: TransferHandle) -> None:
         with self._lock:
             rec = self._recv_by_handle.get((handle.room, handle.generation))
             if rec is not None:
@@ -166,7 +203,7 @@ class ReceiverSide(RemoteEndpoint):
         if rec is None or quiet:
             handle.writes_drained()
 
-    def _forget_receiver(self, handle: TransferHandle) -> None:
+    def forget(self, handle: TransferHandle) -> None:
         with self._lock:
             rec = self._recv_by_handle.pop((handle.room, handle.generation), None)
             if rec is not None:
@@ -174,9 +211,127 @@ class ReceiverSide(RemoteEndpoint):
                 rec.session.records.pop(rec.gen, None)
                 self._claimed.discard(rec)
 
+    # -- the handshake ---------------------------------------------------------------------------
+
+    def _on_hello(self, frame: codec.Frame, nbytes: int) -> None:
+        self.remote_stats.stale_messages += 1  # a decode takes no HELLO (admit() drops them first)
+
+    def _heard(self, session: Session, frame: codec.Frame, fire: Fire) -> bool:
+        """The prefill's first frame after its HELLO_ACK confirms our confirmation: the session is up."""
+        if session.state is SessionState.HANDSHAKE and frame.type not in ("HELLO_ACK", "BYE"):
+            if not session.answered:
+                self.remote_stats.stale_messages += 1
+                return False
+            self._session_up(session, fire)
+        return True
+
+    def _session_up(self, session: Session, fire: Fire) -> None:
+        self.sessions.confirm(session)
+        for rec in list(session.records.values()):
+            row = step(wire.DECODE_TABLE, rec, "session_up")
+            if row is None:
+                continue
+            self._emit(session, row, rec.fields)
+            if rec.wire is _D.READY:
+                fire.append(rec.handle.bootstrapped)
+
+    def _on_bye(self, session: Session, fire: Fire) -> None:
+        if session.state is SessionState.HANDSHAKE:
+            self._retry(session, "the prefill did not accept the handshake (BYE)", fire)
+            return
+        super()._on_bye(session, fire)
+
+    def _on_hello_ack(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
+        if session.state is not SessionState.HANDSHAKE or session.answered:
+            self.remote_stats.stale_messages += 1  # a repeat: the handshake is settled
+            return
+        problem = frame["refused"] or None
+        pools = None
+        if problem is None:
+            try:
+                pools = pools_from_fields(frame["session"].get("pools"))
+            except (TypeError, ValueError) as exc:
+                problem = f"bad session from the prefill: {exc}"
+        if problem is None and frame["engine"] != self.name:
+            problem = f"the prefill runs engine {frame['engine']!r:.40}, this decode {self.name!r}"
+        if problem is None and self.pools is not None and pools is not None:
+            problem = self.pools.layout_mismatch(pools)
+        if problem is not None:
+            self.remote_stats.sessions_refused += 1
+            session.refused = problem
+            reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {session.addr}: {problem}")
+            for rec in list(session.records.values()):
+                step(wire.DECODE_TABLE, rec, "session_refused")
+                fire.append(functools.partial(rec.handle.fail, reason))
+            self.sessions.close(session)
+            if session.channel is not None:
+                self.transport.close_channel(session.channel)
+                session.channel = None
+            return
+        session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
+        session.pools = pools
+        agent = frame["session"].get("agent")
+        session.engine_id = agent if isinstance(agent, str) else None
+        session.answered = True
+        session.last_seen = self._clock_now()
+        # Prove at once that we got the answer: the prefill's session is half-open until then,
+        # and ours is up only once the prefill answers this (see `_heard`).
+        self._send_frame(session, "HEARTBEAT", {})
+
+    def _retry(self, session: Session, why: str, fire: Fire) -> None:
+        """The handshake of `session` was not accepted: try a fresh one after a pause, or give up (lock held)."""
+        if session.state is not SessionState.CLOSED:
+            self.sessions.close(session)
+        if session.channel is not None:
+            self.transport.close_channel(session.channel)
+            session.channel = None
+        records = [rec for rec in session.records.values() if rec.wire in (_D.HANDSHAKE, _D.UNTOLD)]
+        attempt = session.attempt + 1
+        if not records:
+            return
+        if attempt >= self.config.handshake_attempts:
+            reason = FailureReason(
+                FailureKind.BOOTSTRAP_ERROR,
+                f"prefill at {session.addr} did not accept the handshake in {attempt} attempts: {why}",
+            )
+            for rec in records:
+                step(wire.DECODE_TABLE, rec, "session_refused")
+                fire.append(functools.partial(rec.handle.fail, reason))
+            return
+        pause = min(_RETRY_MOST, self.config.peer_window / 2, _RETRY_FIRST * 2**session.attempt)
+        at = self._clock_now() + pause * random.uniform(0.5, 1.5)
+        try:
+            fresh = self._open_session(session.addr, attempt, at)
+        except (OverflowError, ValueError) as exc:
+            reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"no session with the prefill at {session.addr}: {exc}")
+            for rec in records:
+                step(wire.DECODE_TABLE, rec, "session_refused")
+                fire.append(functools.partial(rec.handle.fail, reason))
+            return
+        self.remote_stats.handshake_retries += 1
+        logger.info("kvfsm %s: handshake with %s tried again (attempt %d): %s", self.name, session.addr, attempt, why)
+        for rec in records:
+            rec.session = fresh
+            fresh.records[rec.gen] = rec
+        session.records.clear()
+
+    def _expire(self, now: float, fire: Fire) -> float | None:
+        due: float | None = None
+        still = []
+        for session in self._hellos_due:
+            if session.state is not SessionState.HANDSHAKE or session.hello_at is None:
+                continue
+            if session.hello_at <= now:
+                self._say_hello(session)
+            else:
+                still.append(session)
+                due = session.hello_at if due is None else min(due, session.hello_at)
+        self._hellos_due = still
+        return due
+
     # -- frames --------------------------------------------------------------------------------
 
-    def _on_frame_receiver(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
+    def _on_frame(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if frame.type == "HELLO_ACK":
             self._on_hello_ack(session, frame, fire)
             return
@@ -255,52 +410,12 @@ class ReceiverSide(RemoteEndpoint):
         if last:
             handle.transfer_done()
 
-    def _on_hello_ack(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
-        if session.state is not SessionState.HANDSHAKE:
-            self.remote_stats.stale_messages += 1  # a repeat: the handshake is settled
-            return
-        if not self._verify_mac("HELLO_ACK", frame):
-            self.transport.stats.unauthenticated += 1
-            return
-        problem = frame["refused"] or None
-        pools = None
-        if problem is None:
-            try:
-                pools = pools_from_fields(frame["session"].get("pools"))
-            except (TypeError, ValueError) as exc:
-                problem = f"bad session from the prefill: {exc}"
-        if problem is None and frame["engine"] != self.name:
-            problem = f"the prefill runs engine {frame['engine']!r:.40}, this decode {self.name!r}"
-        if problem is None and self.pools is not None and pools is not None:
-            problem = self.pools.layout_mismatch(pools)
-        if problem is not None:
-            self.remote_stats.sessions_refused += 1
-            session.refused = problem
-            reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {session.addr}: {problem}")
-            for rec in list(session.records.values()):
-                step(wire.DECODE_TABLE, rec, "session_refused")
-                fire.append(functools.partial(rec.handle.fail, reason))
-            self.sessions.close(session)
-            if session.channel is not None:
-                self.transport.close_channel(session.channel)
-                session.channel = None
-            return
-        session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
-        session.pools = pools
-        session.engine_id = frame["session"].get("agent") if isinstance(frame["session"].get("agent"), str) else None
-        self.sessions.confirm(session)
-        # Prove at once that we got the answer: the prefill's session is half-open until then.
-        self._send_frame(session, "HEARTBEAT", {})
-        for rec in list(session.records.values()):
-            row = step(wire.DECODE_TABLE, rec, "session_up")
-            if row is None:
-                continue
-            self._emit(session, row, rec.fields)
-            if rec.wire is _D.READY:
-                fire.append(rec.handle.bootstrapped)
-
-    def _session_lost_receiver(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
+    def _session_lost(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
         if was is SessionState.HANDSHAKE:
+            if session.answered and session.refused is None and not session.bye:
+                # It answered, then let our confirmation lapse: evicted, and its BYE did not reach us.
+                self._retry(session, why, fire)
+                return
             reason = FailureReason(FailureKind.BOOTSTRAP_ERROR, f"prefill at {session.addr} never answered: {why}")
         else:
             reason = FailureReason(FailureKind.PEER_LOST, f"peer {session.addr} lost: {why}")
@@ -311,8 +426,12 @@ class ReceiverSide(RemoteEndpoint):
             # Its stop (the echo row) reports it drained if nothing of the prefill can land.
             fire.append(functools.partial(rec.handle.fail, reason))
 
-    def _poll_engine_receiver(self) -> float | None:
+    def _poll_engine(self, now: float) -> float | None:
         if not self.engine.receiver_progress or not self._claimed:
             return None
-        self.engine.progress()
+        try:
+            self.engine.progress()
+        except Exception as exc:  # an engine that raises where it should report (NIXL's disconnects)
+            self.remote_stats.engine_errors += 1
+            logger.debug("kvfsm %s: engine progress raised: %s", self.name, exc)
         return _BUSY_TICK

@@ -1,10 +1,16 @@
 """The prefill (sender) half of a remote endpoint: claims, room ids, and what the decodes say.
 
-A prefill answers each decode's HELLO with a session (bounded, see
-`_sessions`), and pairs each decode's claim (ROOM: its session, room id,
-generation, pages and aux slot) with its scheduler's `bootstrap()` of that
-room id, in whichever order they come. Two kinds of wire record, each
-moved only through its table in `wire`:
+A prefill answers each decode's HELLO with a half-open session (bounded,
+see `_sessions`); the decode's first frame confirms it, and the prefill
+answers that with a HEARTBEAT at once (the decode's session is up only
+then) and gives the session its writer lane (`_remote_writer.Lane`), where
+the decode's engine peer is opened and every write to it goes. A HELLO
+that cannot be kept (every session confirmed, or a half-open one evicted
+by a newer HELLO) is answered with BYE, which a decode still in its
+handshake reads as "try again". It pairs each decode's claim (ROOM: its
+session, room id, generation, pages and aux slot) with its scheduler's
+`bootstrap()` of that room id, in whichever order they come. Two kinds of
+wire record, each moved only through its table in `wire`:
 
 * a `Claim` per (session, room, gen), kept until none of its writes is in
   flight (rule 13), even after the prefill closed the room;
@@ -13,27 +19,38 @@ moved only through its table in `wire`:
   unclaimed (ORPHANED, see `wire` for why).
 
 A claim binds only when exactly one claim and one prefill generation can
-belong together; every ambiguity fails both. The writer thread
-(`_remote_writer`) does the engine work of bound claims; this half only
+belong together; every ambiguity fails both. The lanes (`_remote_writer`)
+do the engine work of bound claims, each for its own decode; this half only
 queues it and answers ABORTs, with ABORT_ACK only when nothing is in flight.
+Its housekeeping also watches the lanes: a decode whose lane has been
+inside one engine call for longer than `RemoteConfig.engine_call_timeout`
+is told (ABORT for each room, then BYE) and its session lost, its rooms
+failed, while the other lanes never noticed.
+
+The commit marker (rule 14): the aux source slot may be named with any
+chunk (the last one named counts). A decode that asked for an aux slot gets
+its room completed only with that slot written; a last chunk when no chunk
+named an aux source, or naming one for a decode that asked for none, fails
+the room at the call (as every backend does, see `KVBackend.send`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
+import threading
+import time
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll, Role
 from . import codec, wire
-from ._remote_endpoint import Fire, SeenClaims, peer_reason, pools_from_fields, step
-from ._remote_writer import Chunk, Claim, WriterThread
+from ._remote_endpoint import Fire, RemoteEndpoint, SeenClaims, peer_reason, pools_from_fields, step
+from ._remote_writer import Chunk, Claim, Lane
 from ._sessions import Session, SessionState
 
-__all__ = ["SenderSide", "Slot"]
+__all__ = ["PrefillEndpoint", "Slot"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
@@ -146,46 +163,43 @@ class Pending:
         return slot, item
 
 
-class SenderSide(WriterThread):
-    """HELLO, ROOM and ABORT at a prefill, and its scheduler's bootstrap, send, stop and close."""
+class PrefillEndpoint(RemoteEndpoint):
+    """HELLO, ROOM and ABORT at a prefill, its scheduler's bootstrap, send, stop and close, and its lanes."""
 
-    _slots: dict[Any, Slot]
-    _pending: Pending
-    _orphans: OrderedDict[Any, Slot]
-    # room id -> the last generation bootstrap() was called for (to recognise one that never was).
-    _bootstrapped: OrderedDict[Any, int]
-    # (room, prefill generation) -> its bound claim, until the claim is forgotten.
-    _claim_of: dict[tuple[Any, int], Claim]
+    sends = wire.Sender.PREFILL
 
-    def _init_sender(self) -> None:
-        self._seen = {}
-        self._bootstrapped = OrderedDict()
-        self._claim_of = {}
-        self._slots = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         config = self.config
+        self._seen: dict[str, SeenClaims] = {}
+        # room id -> the last generation bootstrap() was called for (to recognise one that never was).
+        self._bootstrapped: OrderedDict[Any, int] = OrderedDict()
+        # (room, prefill generation) -> its bound claim, until the claim is forgotten.
+        self._claim_of: dict[tuple[Any, int], Claim] = {}
+        self._slots: dict[Any, Slot] = {}
         self._pending = Pending(config.max_pending_per_session, config.max_pending, config.max_pending_pages)
-        self._orphans = OrderedDict()
-        self._work = queue.SimpleQueue()
-        self._worker = None
-        self._active = {}
-        self._queued = {}
-        self._turn = 0
-        self._slice_chunk = None
+        self._orphans: OrderedDict[Any, Slot] = OrderedDict()
         self._write_budget = config.max_writes_in_flight or self.engine.max_writes_in_flight
+        # Each confirmed decode session's writer lane, by session id, until it ended.
+        self._lanes: dict[str, Lane] = {}
+        # Whether lanes get threads of their own (remote.py); else `pump()` runs them (tests).
+        self.threaded = False
+
+    def _timeout_fails(self) -> bool:
+        return self.host._timeout_fails()
 
     # -- HELLO --------------------------------------------------------------------------------
 
-    def _on_hello_sender(self, frame: codec.Frame) -> None:
+    def _on_hello(self, frame: codec.Frame, nbytes: int) -> None:
         """A decode's HELLO: answer with a half-open session; its engine peer waits for confirmation.
 
         Nothing of the engine is touched until the decode proves, with its
         first frame of the session, that it received our answer at the
-        address it named (`_confirmed`): a HELLO naming someone else's
-        address costs one bounded half-open session and nothing more.
+        address it named (`_heard`): a HELLO naming someone else's address
+        costs one bounded half-open session and nothing more. A HELLO that
+        cannot be kept is answered with BYE, as is the half-open session it
+        evicts: both decodes try again instead of waiting for a window.
         """
-        if not self._verify_mac("HELLO", frame):
-            self.transport.stats.unauthenticated += 1
-            return
         problem = None
         pools = None
         if frame["role"] != Role.RECEIVER.value:
@@ -208,14 +222,17 @@ class SenderSide(WriterThread):
         fire: Fire = []
         with self._lock:
             try:
-                session, evicted = self.sessions.open(frame["addr"], SessionState.HALF_OPEN)
+                session, evicted = self.sessions.open(frame["addr"], SessionState.HALF_OPEN, nbytes)
             except OverflowError as exc:
-                logger.warning("kvfsm %s: HELLO from %s dropped: %s", self.name, frame["addr"], exc)
+                logger.warning("kvfsm %s: HELLO from %s not accepted: %s", self.name, frame["addr"], exc)
                 self.remote_stats.hellos_dropped += 1
-                self.transport.close_channel(channel)
+                # Authenticated with the ids the HELLO gave: only that decode can read it as its own.
+                bye = codec.encode("BYE", {"sid": frame["reply_sid"], "key": frame["reply_key"]})
+                self.transport.send(channel, bye)
+                self.transport.close_channel(channel, flush=True)
                 return
             for old in evicted:
-                self._lose(old, "evicted: too many unconfirmed sessions", fire)
+                self._evict(old, fire)
             session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
             session.pools, session.refused = pools, problem
             session.hello = (frame["session"], frame.blob)
@@ -231,38 +248,108 @@ class SenderSide(WriterThread):
                 "session": fields,
                 "refused": problem or "",
             }
-            ack["mac"] = self._mac("HELLO_ACK", {**session.auth, **ack}, blob)
-            self._send_frame(session, "HELLO_ACK", ack, blob)
+            self.transport.send(channel, self._handshake_frames("HELLO_ACK", {**session.auth, **ack}, blob))
             if problem is not None:
                 self.remote_stats.sessions_refused += 1
                 logger.warning("kvfsm %s: HELLO from %s refused: %s", self.name, frame["addr"], problem)
         for event in fire:
             event()
 
-    def _confirmed_sender(self, session: Session) -> bool:
-        """The decode's first frame of `session` arrived: open its engine peer now (lock held)."""
-        if session.hello is None:
+    def _evict(self, session: Session, fire: Fire) -> None:
+        """Drop a half-open session to make room, and tell its decode to try again (lock held)."""
+        channel, session.channel = session.channel, None
+        if channel is not None:
+            self.transport.send(channel, codec.encode("BYE", session.auth))
+            self.transport.close_channel(channel, flush=True)
+        self._lose(session, "evicted: too many unconfirmed sessions", fire)
+
+    def _heard(self, session: Session, frame: codec.Frame, fire: Fire) -> bool:
+        """The decode's first frame of `session`: it is up; answer at once, give it its lane (lock held).
+
+        Its engine peer is opened in the lane, not here: nothing that may
+        block about one decode runs on the thread every decode's frames go
+        through.
+        """
+        if session.state is not SessionState.HALF_OPEN:
             return True
-        fields, blob = session.hello
-        session.hello = None
-        try:
-            session.target = self.engine.add_peer(fields, blob)
-        except Exception as exc:
-            problem = f"{self.name} could not open the peer's session: {exc}"
-            logger.warning("kvfsm %s: session with %s refused: %s", self.name, session.addr, problem)
-            self.remote_stats.sessions_refused += 1
-            session.refused = problem
-            # The decode believes the session is up; BYE ends it there (its rooms fail as lost).
-            self._send_frame(session, "BYE", {})
-            return False
+        self.sessions.promote(session)
+        hello, session.hello = session.hello, None
+        assert hello is not None
+        lane = Lane(self, session, self._write_budget, hello)
+        session.lane = lane
+        self._lanes[session.sid] = lane
+        if self.threaded:
+            lane.start()
+        # The decode's session is up when this arrives: its rooms bootstrap, its claims follow.
+        self._send_frame(session, "HEARTBEAT", {})
         return True
+
+    def _lane_broken(self, lane: Lane, why: str) -> None:
+        """The decode's engine peer could not be opened: refuse the session (from the lane, lock not held)."""
+        fire: Fire = []
+        with self._lock:
+            session = lane.session
+            if session.state is not SessionState.CLOSED:
+                self.remote_stats.sessions_refused += 1
+                self._abort_and_lose(session, why, fire)
+        for event in fire:
+            event()
+
+    def _abort_and_lose(self, session: Session, why: str, fire: Fire) -> None:
+        """Tell a live decode why its rooms fail (ABORT each, then BYE), and lose the session (lock held)."""
+        reason = FailureReason(FailureKind.TRANSFER_ERROR, f"prefill {self.address}: {why}")
+        for claim in list(session.records.values()):
+            before = claim.wire
+            if before in (_C.BOUND, _C.WRITING):
+                self._fail_claim(claim, "fail", reason)
+                handle = claim.handle
+                if handle is not None:
+                    fire.append(functools.partial(handle.fail, reason))
+        self._send_frame(session, "BYE", {})
+        self._lose(session, why, fire)
+
+    def _lane_ended(self, lane: Lane) -> None:
+        with self._lock:
+            if self._lanes.get(lane.session.sid) is lane:
+                del self._lanes[lane.session.sid]
+
+    def pump(self) -> bool:
+        """Run one turn of every lane (the model-based test's writer; threads do it in production)."""
+        moved = False
+        for lane in list(self._lanes.values()):
+            moved |= bool(lane.pump())
+        return moved
+
+    @property
+    def lanes(self) -> list[Lane]:
+        with self._lock:
+            return list(self._lanes.values())
+
+    def lanes_idle(self, wait: float) -> bool:
+        """True when every lane took up every command queued so far and had no work left (threaded)."""
+        events = []
+        for lane in self.lanes:
+            done = threading.Event()
+            lane.put("sync", done)
+            events.append(done)
+        return all(event.wait(wait) for event in events)
+
+    def shutdown(self) -> None:
+        lanes = self.lanes
+        for lane in lanes:
+            lane.put("exit")
+        # 5 s for all of them, not each: a lane stuck in an engine call is left behind (a daemon thread).
+        deadline = time.monotonic() + 5.0
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the scheduler's calls ------------------------------------------------------------------
 
-    def _bootstrap_sender(self, handle: TransferHandle) -> None:
+    def bootstrap(self, handle: TransferHandle, peer: str) -> None:
         fire: Fire = []
         with self._lock:
-            self._expire_sender(self._clock_now(), fire)
+            self._expire(self._clock_now(), fire)
             slot = self._slots.get(handle.room)
             if slot is not None:
                 self._catch_up(slot, fire)
@@ -342,12 +429,12 @@ class SenderSide(WriterThread):
             self._pending.remove(claim.session, (claim.room, claim.gen))
         return claims
 
-    def _expected_pages(self, handle: TransferHandle) -> int | None:
+    def expected_pages(self, handle: TransferHandle) -> int | None:
         with self._lock:
             claim = self._claim_of.get((handle.room, handle.generation))
             return None if claim is None else len(claim.pages)
 
-    def _send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
+    def send(self, handle: TransferHandle, pages: list[int], last: bool, aux_index: int | None) -> None:
         problem = None
         chunk: Chunk | None = None
         with self._lock:
@@ -355,13 +442,22 @@ class SenderSide(WriterThread):
             claim = slot.claim if slot is not None and slot.handle is handle else None
             if claim is not None and not claim.stopped:
                 start, end = claim.cursor, claim.cursor + len(pages)
+                aux_src = claim.aux_src if aux_index is None else aux_index
                 if end > len(claim.pages) or (last and end != len(claim.pages)):
                     problem = (
                         f"the decode expects {len(claim.pages)} pages; this chunk would bring the total to {end}"
                         + (" and it is the last" if last else "")
                     )
+                elif last and claim.aux is not None and aux_src is None:
+                    problem = (
+                        f"the decode expects its commit marker in aux slot {claim.aux}, and no chunk named "
+                        "a source aux slot (aux_index)"
+                    )
+                elif last and claim.aux is None and aux_src is not None:
+                    problem = f"aux_index {aux_src} given but the receiver posted no aux slot"
                 elif step(wire.CLAIM_TABLE, claim, "send") is not None:
                     claim.cursor = end
+                    claim.aux_src = aux_src
                     assert self.pools is not None
                     nbytes = len(pages) * self.pools.page_nbytes
                     chunk = Chunk(pages, claim.pages[start:end], last, aux_index, nbytes)
@@ -375,9 +471,9 @@ class SenderSide(WriterThread):
             # Transferring before the writer sees the chunk: it completes only a Transferring room.
             if handle.state is KVPoll.WaitingForInput:
                 handle.transfer_started()
-            self._work.put(("chunk", (claim, chunk)))
+            claim.session.lane.put("chunk", (claim, chunk))
 
-    def _stop_sender(self, handle: TransferHandle) -> None:
+    def stop(self, handle: TransferHandle) -> None:
         with self._lock:
             drained = self._stop_locked(handle)
         if drained:
@@ -422,11 +518,11 @@ class SenderSide(WriterThread):
         if claim.wire is _C.STOPPING:
             if not claim.stopped:
                 claim.stopped = True
-                self._work.put(("stop", claim))
+                claim.session.lane.put("stop", claim)
             return False
         return claim.wire is not _C.WRITING
 
-    def _forget_sender(self, handle: TransferHandle) -> None:
+    def forget(self, handle: TransferHandle) -> None:
         with self._lock:
             self._forget_locked(handle)
 
@@ -471,7 +567,7 @@ class SenderSide(WriterThread):
 
     # -- frames ---------------------------------------------------------------------------------
 
-    def _on_frame_sender(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
+    def _on_frame(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
         if frame.type == "ROOM":
             self._on_room(session, frame, fire)
         elif frame.type == "ABORT":
@@ -639,7 +735,7 @@ class SenderSide(WriterThread):
 
     # -- lost sessions and expiries -----------------------------------------------------------------
 
-    def _session_lost_sender(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
+    def _session_lost(self, session: Session, was: SessionState, why: str, fire: Fire) -> None:
         reason = FailureReason(FailureKind.PEER_LOST, f"decode {session.addr} lost: {why}")
         for claim in list(session.records.values()):
             before = claim.wire
@@ -657,8 +753,12 @@ class SenderSide(WriterThread):
             if claim.wire is _C.ACKED:
                 session.records.pop((claim.room, claim.gen), None)
         self._seen.pop(session.sid, None)
+        if session.lane is not None:
+            # It ends once nothing of the session is in flight, and removes the engine peer then.
+            session.lane.put("close")
 
-    def _expire_sender(self, now: float, fire: Fire) -> None:
+    def _expire(self, now: float, fire: Fire) -> float | None:
+        self._watch_lanes(now, fire)
         ttl = self.config.pending_ttl
         for slot, item in self._pending.expired(now, ttl):
             self._drop_pending(slot, item)
@@ -671,3 +771,17 @@ class SenderSide(WriterThread):
                 slot.reason = None
                 if slot.empty and self._slots.get(room) is slot:
                     del self._slots[room]
+        return None
+
+    def _watch_lanes(self, now: float, fire: Fire) -> None:
+        """Lose the decodes whose lane has been inside one engine call for too long (lock held)."""
+        limit = self.config.engine_call_timeout
+        for lane in list(self._lanes.values()):
+            stuck = lane.stuck_for(now)
+            session = lane.session
+            if stuck <= limit or session.state is SessionState.CLOSED:
+                continue
+            self.remote_stats.engine_calls_stuck += 1
+            why = f"an engine call about it ({lane.call_what}) has not returned for {stuck:.1f}s (limit {limit:g}s)"
+            logger.warning("kvfsm %s: decode %s: %s", self.name, session.addr, why)
+            self._abort_and_lose(session, why, fire)

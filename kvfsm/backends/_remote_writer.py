@@ -1,44 +1,59 @@
-"""The prefill's writer: engine writes of each claim's chunks, polled until they end.
+"""The prefill's writer lanes: one per decode session, every engine call about that decode in it.
 
-`send()` and the stop of a failed claim only queue a command; one thread
-per prefill endpoint (`remote.py`) calls `pump()` in a loop, and the
-model-based test calls it directly. A pump turn takes up queued commands,
-polls each active claim's engine jobs and issues what comes next. The
-writer is the only code that touches engine jobs, so whether a claim still
-has a write in flight is known in one place, and a claim stays active (and
-its record alive) until the engine ended every write it issued, whether or
-not the prefill closed the room meanwhile (rule 13).
+A lane owns one decode session's engine work: it opens the decode's engine
+peer (`add_peer`), submits and polls the writes of that session's claims,
+and removes the peer once the session is gone and nothing of it is in
+flight. `send()` and the stop of a failed claim only queue a command on the
+claim's lane; each lane has a thread of its own (`remote.py` says when to
+start it), and the model-based test calls `pump()` itself. So a call that
+blocks, such as Mooncake's first write to a new peer, which opens the
+peer's segment with a synchronous handshake, holds up that decode's rooms
+and no one else's: a room's writes never queue behind another peer's. The
+call is also bounded: the lane notes when each engine call began
+(`call_since`), and the prefill's housekeeping loses a session whose lane
+has been inside one call for longer than `RemoteConfig.engine_call_timeout`
+(its rooms fail; the writes of the stuck call stay accounted until it
+returns, so nothing is reported drained early). A lane is the only code
+that touches its jobs, so whether a claim still has a write in flight is
+known in one place, and a claim stays active (its record alive) until the
+engine ended every write it issued, whether or not the prefill closed the
+room meanwhile (rule 13).
 
-Back-pressure: every session (one decode peer) has a budget of writes in
-flight (`RemoteConfig.max_writes_in_flight`, by default the engine's own
-safe figure: half of Mooncake's per-peer TCP queue, which fails the
-overflow instead of queueing it). A chunk's writes wait in the claim until
-the budget has room. Each turn hands the room round the `_SERVED` oldest
-claims of the session that have writes waiting: one slice of at most
-`_SLICE` writes each, the claim that went first last turn going last. So
-one large room cannot starve the others (it is one of the claims served),
-and under a deep queue rooms finish roughly in the order they came instead
-of all together at the end (which would make every one of them late).
-Claims that only wait for budget sit in their session's queue, not among
-the claims polled each turn, so a turn costs the same at 16 or 256 rooms
-in flight. An engine that answers "busy" (`EngineBusy`) gets the slice
-back and a growing pause; only a real engine error fails the room. A
-stopped claim's waiting writes are dropped at once; the ones submitted are
-still waited for (the release gate).
+An engine that raises where it should report a status (NIXL's
+`check_xfer_state` raises `nixlRemoteDisconnectError` when the decode went
+away) fails the claim of that job and nothing else: the job is cancelled if
+the engine can prove it, else its room is never reported drained (the drain
+deadline decides), and the lane goes on with its other claims.
 
-When a turn moved nothing, the writer naps from 20 us, doubling up to
+Back-pressure: every session has a budget of writes in flight
+(`RemoteConfig.max_writes_in_flight`, by default the engine's own safe
+figure: half of Mooncake's per-peer TCP queue, which fails the overflow
+instead of queueing it). A chunk's writes wait in the claim until the
+budget has room. Each turn hands the room round the `_SERVED` oldest claims
+of the session that have writes waiting: one slice of at most `_SLICE`
+writes each, the claim that went first last turn going last. So one large
+room cannot starve the others, and under a deep queue rooms finish roughly
+in the order they came. Claims that only wait for budget sit in the lane's
+queue, not among the claims polled each turn, so a turn costs the same at
+16 or 256 rooms in flight. An engine that answers "busy" (`EngineBusy`)
+gets the slice back and a growing pause; only a real engine error fails the
+room. A stopped claim's waiting writes are dropped at once; the ones
+submitted are still waited for (the release gate).
+
+When a turn moved nothing, the lane naps from 20 us, doubling up to
 `RemoteConfig.poll_interval` (its thread's timer slack is 1 us, so a nap
-lasts about what it says). It does not spin: a spinning writer takes a
-core from the engine's own threads.
+lasts about what it says). It does not spin: a spinning writer takes a core
+from the engine's own threads. A lane with nothing in flight sleeps until a
+command comes.
 
 Rule 14, in the order the code keeps it:
 
 * a failed write marks its claim stopped at once, in this thread, before
   anything else of that claim is issued; the room's failure follows;
-* before every submit the writer checks the claim is not stopped and the
+* before every submit the lane checks the claim is not stopped and the
   room not terminal;
 * the last chunk completes only after every KV write landed (and the aux
-  slot, when the engine writes it): the writer reads the aux bytes, then
+  slot, when the engine writes it): the lane reads the aux bytes, then
   fires `transfer_done`, and only if that applied, so no failure won the
   race, does the claim step to DONE and send DONE (with the aux bytes).
 """
@@ -46,6 +61,7 @@ Rule 14, in the order the code keeps it:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -54,19 +70,21 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
 from ._naps import precise_naps
-from ._remote_endpoint import RemoteEndpoint, SeenClaims, step
-from ._remote_engine import EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
+from ._remote_endpoint import RemoteConfig, RemoteStats, step
+from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
 
 if TYPE_CHECKING:
     from ._sessions import Session
+    from .memory import KVPools
 
-__all__ = ["Chunk", "Claim", "WriterThread"]
+__all__ = ["Chunk", "Claim", "Lane", "LaneOwner"]
 
 logger = logging.getLogger("kvfsm.backends.remote")
 
@@ -75,7 +93,7 @@ _C = wire.PrefillClaim
 _SLICE = 64
 #: Claims of one session served at a time, oldest first (the rest wait their turn).
 _SERVED = 16
-#: When a turn moved nothing the writer naps, from this long and doubling up to
+#: When a turn moved nothing the lane naps, from this long and doubling up to
 #: `RemoteConfig.poll_interval`. Measured on 2 vCPUs (one-page latency, alternating runs):
 #: napping at once 1.14-1.17 ms, spinning 150 us first 1.34-1.55 ms; throughput and CPU
 #: per request at 4 and 16 in flight also better without the spin.
@@ -93,6 +111,33 @@ def _by_serial(claim: Claim) -> int:
 
 def _has_waiting(claim: Claim) -> bool:
     return any(chunk.waiting for chunk in claim.chunks)
+
+
+class LaneOwner(Protocol):
+    """What a lane needs of the prefill endpoint that owns it (`_remote_sender.PrefillEndpoint`)."""
+
+    name: str
+    config: RemoteConfig
+    engine: EngineAdapter
+    remote_stats: RemoteStats
+    _lock: threading.Lock
+
+    @property
+    def pools(self) -> KVPools | None: ...
+
+    def _clock_now(self) -> float: ...
+
+    def _timeout_fails(self) -> bool: ...
+
+    def _emit(self, session: Session | None, row: wire.WireRow, build: Callable[[str], dict[str, Any]]) -> None: ...
+
+    def _fail_claim(self, claim: Claim, input: str, reason: FailureReason | None) -> bool: ...
+
+    def _drop_if_done(self, claim: Claim) -> None: ...
+
+    def _lane_broken(self, lane: Lane, why: str) -> None: ...
+
+    def _lane_ended(self, lane: Lane) -> None: ...
 
 
 class Chunk:
@@ -125,10 +170,11 @@ class Submitted:
 
 
 class Claim:
-    """One decode's claim on a prefill room, and what the writer did for it."""
+    """One decode's claim on a prefill room, and what its lane did for it."""
 
     __slots__ = (
         "aux",
+        "aux_src",
         "busy_since",
         "chunks",
         "cursor",
@@ -155,6 +201,8 @@ class Claim:
         self.gen = gen
         self.pages = pages
         self.aux = aux
+        # The source aux slot the prefill named, with whichever chunk it named it (the last one named wins).
+        self.aux_src: int | None = None
         self.handle: TransferHandle | None = None
         self.pgen: int | None = None
         self.wire: wire.PrefillClaim | None = None
@@ -164,11 +212,11 @@ class Claim:
         # While the engine answers busy: when it started, and when to try again.
         self.busy_since: float | None = None
         self.retry_at = 0.0
-        # Claims are served oldest first under back-pressure (see _submit_round);
-        # `queued` while the claim is in its session's queue of claims with writes waiting.
+        # Claims are served oldest first under back-pressure (see Lane._submit_round);
+        # `queued` while the claim is in its lane's queue of claims with writes waiting.
         self.serial = next(_serials)
         self.queued = False
-        # Set (once) when the claim must issue nothing more; read by the writer before every submit.
+        # Set (once) when the claim must issue nothing more; read by the lane before every submit.
         self.stopped = False
         self.room_closed = False
         self.timeouts_seen = 0
@@ -195,64 +243,96 @@ class Claim:
         return f"<Claim room={self.room!r} gen={self.gen} {self.wire} jobs={len(self.jobs)}>"
 
 
-class WriterThread(RemoteEndpoint):
-    """The writer of a prefill endpoint and the engine calls it makes."""
+class Lane:
+    """The writer of one decode session on a prefill, and every engine call about that decode."""
 
-    _work: queue.SimpleQueue[tuple[str, Any]]
-    _worker: threading.Thread | None
-    # Claims polled every turn (writes in flight, stopped, or a chunk to complete), and per
-    # session (sid) the claims with writes waiting for budget, oldest first. A claim that
-    # only waits for budget is in the second alone, so a turn costs the same at 16 or 256
-    # claims in flight.
-    _active: dict[int, Claim]
-    _queued: dict[str, list[Claim]]
-    _seen: dict[str, SeenClaims]
-    # Turns of `_submit_round` so far (who goes first), the chunk of the slice being
-    # submitted (for writes a busy engine hands back), each session's budget of writes.
-    _turn: int
-    _slice_chunk: Chunk | None
-    _write_budget: int
+    def __init__(self, owner: LaneOwner, session: Session, budget: int, hello: tuple[dict[str, Any], bytes | None]):
+        self.owner = owner
+        self.session = session
+        self.budget = budget
+        self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Claims polled every turn (writes in flight, stopped, or a chunk to complete), and the
+        # claims with writes waiting for budget, oldest first.
+        self.active: dict[int, Claim] = {}
+        self.queued: list[Claim] = []
+        # Turns of `_submit_round` so far (who goes first), the chunk of the slice being
+        # submitted (for writes a busy engine hands back).
+        self.turn = 0
+        self.slice_chunk: Chunk | None = None
+        # The decode's engine peer (`add_peer`), once opened; why it could not be, if it could not.
+        self.target: Any = None
+        self.broken: str | None = None
+        self.closing = False
+        self.ended = False
+        # The engine call under way: since when (the owner's clock) and what, for the watchdog.
+        self.call_since: float | None = None
+        self.call_what = ""
+        self.thread: threading.Thread | None = None
+        self.commands.put(("open", hello))
 
-    def _start_writer(self) -> None:
-        self._worker = threading.Thread(target=self._work_loop, name=f"kvfsm-{self.name}-writer", daemon=True)
-        self._worker.start()
+    def __repr__(self) -> str:
+        return f"<Lane {self.session.addr} active={len(self.active)} queued={len(self.queued)}>"
 
-    def _stop_writer(self) -> None:
-        if self._worker is not None:
-            self._work.put(("exit", None))
-            self._worker.join(5.0)
-            self._worker = None
+    # -- the thread -------------------------------------------------------------------------------
 
-    def _work_loop(self) -> None:
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=f"kvfsm-{self.owner.name}-lane", daemon=True)
+        self.thread.start()
+
+    def put(self, command: str, payload: Any = None) -> None:
+        self.commands.put((command, payload))
+
+    def stuck_for(self, now: float) -> float:
+        """Seconds the lane has been inside one engine call (0 when it is not in one)."""
+        since = self.call_since
+        return 0.0 if since is None else max(0.0, now - since)
+
+    def _run(self) -> None:
         precise_naps()
         nap = 0.0
         while True:
             try:
                 # Nothing to poll: sleep until a command comes (it is taken up first, in order).
-                first = None if self._has_work() else self._work.get()
+                first = None if self.has_work() else self.commands.get()
                 moved = self.pump(first)
                 if moved is None:
                     return
-                if moved or not self._has_work():
+                if moved or not self.has_work():
                     nap = 0.0
                     continue
                 # Napping at once, not spinning: a spin here takes a core from the engine's own
                 # threads, and on a small machine that made a one-page room slower (see _FIRST_NAP).
-                nap = min(self.config.poll_interval, nap * 2 if nap else _FIRST_NAP)
+                nap = min(self.owner.config.poll_interval, nap * 2 if nap else _FIRST_NAP)
                 time.sleep(nap)
             except Exception:
-                logger.exception("kvfsm %s writer thread: unexpected error; it goes on", self.name)
+                logger.exception(
+                    "kvfsm %s lane of %s: unexpected error; it goes on", self.owner.name, self.session.addr
+                )
                 time.sleep(0.01)
 
-    def _has_work(self) -> bool:
-        """Whether a claim has writes in flight, waiting or to complete (else the writer waits for a command)."""
-        return bool(self._active or self._queued)
+    def has_work(self) -> bool:
+        """Whether a claim has writes in flight, waiting or to complete (else the lane waits for a command)."""
+        return bool(self.active or self.queued)
+
+    @contextlib.contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """Note an engine call for the watchdog (`stuck_for`) while it runs."""
+        self.call_what = what
+        self.call_since = self.owner._clock_now()
+        try:
+            yield
+        finally:
+            self.call_since = None
+
+    # -- one turn ---------------------------------------------------------------------------------
 
     def pump(self, first: tuple[str, Any] | None = None) -> bool | None:
-        """One turn: take up queued commands, advance every active claim, submit what the budgets allow.
+        """One turn: take up queued commands, advance every active claim, submit what the budget allows.
 
-        Returns whether anything moved, or None once told to exit.
+        Returns whether anything moved, or None once the lane ended.
         """
+        if self.ended:
+            return None
         moved = False
         while True:
             if first is not None:
@@ -260,62 +340,142 @@ class WriterThread(RemoteEndpoint):
                 first = None
             else:
                 try:
-                    command, payload = self._work.get_nowait()
+                    command, payload = self.commands.get_nowait()
                 except queue.Empty:
                     break
             if command == "exit":
-                for claim in self._active.values():
+                for claim in self.active.values():
                     for submitted in claim.jobs:
-                        submitted.job.cancel()
+                        self._cancel(submitted.job)
+                self.ended = True
                 return None
             moved = True
             self._command(command, payload)
-        for claim in list(self._active.values()):
-            moved |= self._advance(claim)
+        for claim in list(self.active.values()):
+            moved |= self._guarded(claim, self._advance)
         moved |= self._submit_round()
-        for key, claim in list(self._active.items()):
+        for key, claim in list(self.active.items()):
             if not claim.stopped and not claim.jobs and (not claim.chunks or claim.chunks[0].waiting):
-                # Nothing to poll (the rest waits in _queued): a submit, a new chunk or a stop
+                # Nothing to poll (the rest waits in `queued`): a submit, a new chunk or a stop
                 # brings it back. A stopped claim leaves once drained (_advance), even when its
                 # submit failed before anything went out: the decode waits for that ABORT_ACK.
-                del self._active[key]
+                del self.active[key]
+        if self.closing and not self.has_work():
+            self._end()
+            return None
         return moved
+
+    def _end(self) -> None:
+        """The session is gone and nothing of it is in flight: remove the engine peer, stop."""
+        self.ended = True
+        if self.target is not None:
+            target, self.target = self.target, None
+            try:
+                with self._calling("remove_peer"):
+                    self.owner.engine.remove_peer(target)
+            except Exception as exc:
+                logger.debug(
+                    "kvfsm %s: removing the engine peer of %s failed: %s", self.owner.name, self.session.addr, exc
+                )
+        self.owner._lane_ended(self)
+
+    def _guarded(self, claim: Claim, work: Callable[[Claim], bool]) -> bool:
+        """Run one claim's work; an unexpected error fails that claim alone, never the lane."""
+        try:
+            return work(claim)
+        except Exception as exc:
+            self._crashed(claim, exc)
+            return True
+
+    def _crashed(self, claim: Claim, exc: Exception) -> None:
+        logger.exception("kvfsm %s: the writer failed on room %r; that room fails", self.owner.name, claim.room)
+        self.owner.remote_stats.engine_errors += 1
+        claim.undrained = True  # what it had out is not known any more: the drain deadline decides
+        if not claim.stopped:
+            self._write_failed(claim, f"{self.owner.name} writer error: {exc!r:.200}")
+        for submitted in claim.jobs:
+            self._ended(claim, submitted)
+        claim.jobs = []
 
     def _command(self, command: str, payload: Any) -> None:
         if command == "chunk":
             claim, chunk = payload
             if not claim.stopped:
                 claim.chunks.append(chunk)
-                self._active[id(claim)] = claim
+                self.active[id(claim)] = claim
                 if not claim.queued:
                     claim.queued = True
-                    bisect.insort(self._queued.setdefault(claim.session.sid, []), claim, key=_by_serial)
+                    bisect.insort(self.queued, claim, key=_by_serial)
         elif command == "stop":
             claim = payload
             claim.chunks.clear()  # writes not submitted yet are dropped here, never reach the engine
             if claim.queued:
-                self._queued[claim.session.sid].remove(claim)
+                self.queued.remove(claim)
                 claim.queued = False
             still = []
             for submitted in claim.jobs:
-                if submitted.job.cancel():
+                if self._cancel(submitted.job):
                     self._ended(claim, submitted)
-                    submitted.job.release()
+                    self._release(submitted.job)
                 else:
                     still.append(submitted)
             claim.jobs = still
-            self._active[id(claim)] = claim
+            self.active[id(claim)] = claim
+        elif command == "open":
+            fields, blob = payload
+            try:
+                with self._calling("add_peer"):
+                    self.target = self.owner.engine.add_peer(fields, blob)
+            except Exception as exc:
+                self.broken = f"{self.owner.name} could not open the decode's engine session: {exc}"
+                logger.warning("kvfsm %s: %s (%s)", self.owner.name, self.broken, self.session.addr)
+                self.owner._lane_broken(self, self.broken)
+        elif command == "close":
+            self.closing = True
+        elif command == "sync" and not self.has_work():
+            # Commands run in order: everything queued before this one has been taken up.
+            payload.set()
 
     def _ended(self, claim: Claim, submitted: Submitted) -> None:
         claim.session.writes_in_flight -= submitted.writes
+
+    def _cancel(self, job: EngineJob) -> bool:
+        try:
+            with self._calling("cancel"):
+                return job.cancel()
+        except Exception as exc:
+            self.owner.remote_stats.engine_errors += 1
+            logger.debug("kvfsm %s: cancelling a job raised: %s", self.owner.name, exc)
+            return False
+
+    def _release(self, job: EngineJob) -> None:
+        try:
+            with self._calling("release"):
+                job.release()
+        except Exception as exc:
+            self.owner.remote_stats.engine_errors += 1
+            logger.debug("kvfsm %s: releasing a job raised: %s", self.owner.name, exc)
 
     def _poll_jobs(self, claim: Claim) -> str | None:
         """Poll the claim's jobs, keep those still running; the first failure's detail, if any."""
         running: list[Submitted] = []
         failure: str | None = None
+        stats = self.owner.remote_stats
         for submitted in claim.jobs:
             job = submitted.job
-            status = job.poll()
+            try:
+                with self._calling("poll"):
+                    status = job.poll()
+            except Exception as exc:
+                # The engine raised instead of reporting: this job failed, and unless the engine
+                # proves it stopped (a cancel that took), its bytes may still land.
+                stats.engine_errors += 1
+                stats.engine_failures += 1
+                claim.undrained |= not self._cancel(job)
+                failure = failure or f"{self.owner.name} write failed: polling it raised {exc!r:.200} ({job.detail})"
+                self._ended(claim, submitted)
+                self._release(job)
+                continue
             if status == "pending":
                 running.append(submitted)
                 continue
@@ -324,17 +484,17 @@ class WriterThread(RemoteEndpoint):
                 # goes on and may still complete. Count it; keep the job in flight so
                 # drain stays truthful; the lifecycle's transferring deadline decides.
                 claim.timeouts_seen += 1
-                self.remote_stats.engine_timeouts += 1
-                if self._timeout_fails():
-                    failure = failure or f"{self.name} reported TIMEOUT for a write ({job.detail})"
+                stats.engine_timeouts += 1
+                if self.owner._timeout_fails():
+                    failure = failure or f"{self.owner.name} reported TIMEOUT for a write ({job.detail})"
                 running.append(submitted)
                 continue
             if status == "failed":
-                self.remote_stats.engine_failures += 1
+                stats.engine_failures += 1
                 claim.undrained |= job.may_still_land
-                failure = failure or f"{self.name} write failed ({job.detail})"
+                failure = failure or f"{self.owner.name} write failed ({job.detail})"
             self._ended(claim, submitted)
-            job.release()
+            self._release(job)
         claim.jobs = running
         return failure
 
@@ -349,7 +509,7 @@ class WriterThread(RemoteEndpoint):
         if claim.stopped:
             if not claim.jobs:
                 self._drained(claim)
-                self._active.pop(id(claim), None)
+                self.active.pop(id(claim), None)
                 return True
             return moved
         handle = claim.handle
@@ -363,10 +523,10 @@ class WriterThread(RemoteEndpoint):
             if not chunk.last:
                 claim.chunks.popleft()
                 handle.chunk_done(chunk.nbytes)
-                with self._lock:
+                with self.owner._lock:
                     row = step(wire.CLAIM_TABLE, claim, "progress")
                     if row is not None:
-                        self._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes))
+                        self.owner._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes))
                 moved = True
                 continue
             if not self._finish(claim, chunk):
@@ -376,39 +536,38 @@ class WriterThread(RemoteEndpoint):
         return moved
 
     def _submit_round(self) -> bool:
-        """Hand each session's free budget round its claims, one slice each, fairly (see the module docstring)."""
-        if not self._queued:
+        """Hand the session's free budget round its claims, one slice each, fairly (see the module docstring)."""
+        if not self.queued:
             return False
-        self._turn += 1
+        self.turn += 1
         now = time.monotonic()
         moved = False
-        for sid, queued in list(self._queued.items()):
-            served = self._oldest_waiting(queued)
-            if not queued:
-                del self._queued[sid]
-            if not served:
+        served = self._oldest_waiting()
+        if not served:
+            return False
+        budget = self.budget - self.session.writes_in_flight
+        start = self.turn % len(served)
+        for claim in served[start:] + served[:start]:
+            if budget <= 0:
+                break
+            if claim.retry_at > now:
                 continue
-            budget = self._write_budget - served[0].session.writes_in_flight
-            start = self._turn % len(served)
-            for claim in served[start:] + served[:start]:
-                if budget <= 0:
-                    break
-                if claim.retry_at > now:
-                    continue
+            try:
                 sent = self._submit_slice(claim, min(budget, _SLICE))
-                budget -= sent
-                moved |= sent > 0
-                self._active[id(claim)] = claim  # it has writes to poll, or a chunk to complete
-                if not _has_waiting(claim):
-                    queued.remove(claim)
-                    claim.queued = False
-            if not queued:
-                self._queued.pop(sid, None)
+            except Exception as exc:
+                self._crashed(claim, exc)
+                sent = 0
+            moved |= sent > 0
+            budget -= sent
+            self.active[id(claim)] = claim  # it has writes to poll, or a chunk to complete
+            if claim.queued and not _has_waiting(claim):
+                self.queued.remove(claim)
+                claim.queued = False
         return moved
 
-    @staticmethod
-    def _oldest_waiting(queued: list[Claim]) -> list[Claim]:
-        """The `_SERVED` oldest claims of a session's queue that still wait; the others that stopped leave it."""
+    def _oldest_waiting(self) -> list[Claim]:
+        """The `_SERVED` oldest claims of the queue that still wait; the others that stopped leave it."""
+        queued = self.queued
         served: list[Claim] = []
         index = 0
         while index < len(queued) and len(served) < _SERVED:
@@ -424,7 +583,8 @@ class WriterThread(RemoteEndpoint):
     def _submit_slice(self, claim: Claim, most: int) -> int:
         """Submit up to `most` waiting writes of the claim's first chunks; how many went out."""
         handle = claim.handle
-        assert handle is not None and self.pools is not None
+        pools = self.owner.pools
+        assert handle is not None and pools is not None
         peer = claim.session
         assert peer.pools is not None
         for chunk in claim.chunks:
@@ -433,11 +593,11 @@ class WriterThread(RemoteEndpoint):
             if claim.stopped or handle.is_terminal:
                 return 0  # rule 14: nothing more for a room that ended, whatever the notices say
             if chunk.todo is None:
-                chunk.todo = deque(page_writes(self.pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst)))
+                chunk.todo = deque(page_writes(pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst)))
                 if not chunk.todo:
                     continue
             writes = [chunk.todo.popleft() for _ in range(min(most, len(chunk.todo)))]
-            self._slice_chunk = chunk
+            self.slice_chunk = chunk
             submitted = self._submit(claim, writes)
             if submitted is None:
                 if claim.busy_since is not None and not claim.stopped:
@@ -449,29 +609,29 @@ class WriterThread(RemoteEndpoint):
 
     def _requeue(self, claim: Claim, writes: list[Write]) -> None:
         """Put writes a busy engine did not take back in front of the chunk they came from."""
-        chunk = self._slice_chunk
+        chunk = self.slice_chunk
         if chunk is not None and chunk.todo is not None and not claim.stopped:
             chunk.todo.extendleft(reversed(writes))
 
     def _finish(self, claim: Claim, chunk: Chunk) -> bool:
         """Complete the last chunk once every write landed; False while its aux write is still out."""
         handle = claim.handle
-        assert handle is not None and self.pools is not None
+        pools = self.owner.pools
+        assert handle is not None and pools is not None
         blob: bytes | None = None
-        if chunk.aux_src is not None and claim.aux is not None:
+        aux_src = claim.aux_src
+        if aux_src is not None and claim.aux is not None:
             if self._aux_in_done(claim):
-                blob = b"".join(
-                    ctypes.string_at(r.ptr + chunk.aux_src * r.page_nbytes, r.page_nbytes) for r in self.pools.aux
-                )
+                blob = b"".join(ctypes.string_at(r.ptr + aux_src * r.page_nbytes, r.page_nbytes) for r in pools.aux)
             else:
                 if chunk.tail is None:
                     peer = claim.session
                     assert peer.pools is not None
                     if claim.stopped or handle.is_terminal:
                         return True
-                    if peer.writes_in_flight >= self._write_budget or claim.retry_at > time.monotonic():
+                    if peer.writes_in_flight >= self.budget or claim.retry_at > time.monotonic():
                         return False
-                    writes = page_writes(self.pools.aux, peer.pools.aux, [(chunk.aux_src, claim.aux, 1)])
+                    writes = page_writes(pools.aux, peer.pools.aux, [(aux_src, claim.aux, 1)])
                     tail = self._submit(claim, writes)
                     if tail is None:
                         return False
@@ -489,18 +649,21 @@ class WriterThread(RemoteEndpoint):
             return
         handle.chunk_done(chunk.nbytes, last=True)
         if handle.transfer_done():
-            with self._lock:
+            with self.owner._lock:
                 row = step(wire.CLAIM_TABLE, claim, "landed")
                 if row is not None:
-                    self._emit(claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes, blob=blob))
-                self._drop_if_done(claim)
+                    self.owner._emit(
+                        claim.session, row, functools.partial(claim.notice, nbytes=chunk.nbytes, blob=blob)
+                    )
+                self.owner._drop_if_done(claim)
 
     def _aux_in_done(self, claim: Claim) -> bool:
         """Whether the aux bytes travel inside DONE: both aux pools are host memory and a slot fits a frame."""
-        assert self.pools is not None and claim.session.pools is not None
-        if sum(r.page_nbytes for r in self.pools.aux) > wire.MAX_BLOB_BYTES:
+        pools = self.owner.pools
+        assert pools is not None and claim.session.pools is not None
+        if sum(r.page_nbytes for r in pools.aux) > wire.MAX_BLOB_BYTES:
             return False
-        return all(r.device == "cpu" for r in (*self.pools.aux, *claim.session.pools.aux))
+        return all(r.device == "cpu" for r in (*pools.aux, *claim.session.pools.aux))
 
     def _submit(self, claim: Claim, writes: list[Write]) -> Submitted | None:
         """Submit `writes` as one job, counted against the session's budget; None if it did not go out.
@@ -510,11 +673,17 @@ class WriterThread(RemoteEndpoint):
         other error fails the room at once (rule 14: nothing more of it goes out).
         """
         peer = claim.session
+        stats = self.owner.remote_stats
+        name = self.owner.name
+        if self.broken is not None:
+            self._write_failed(claim, self.broken)
+            return None
         try:
-            job = self.engine.submit(peer.target, writes)
+            with self._calling(f"submit of {len(writes)} writes"):
+                job = self.owner.engine.submit(self.target, writes)
         except EngineBusy as exc:
             now = time.monotonic()
-            self.remote_stats.engine_busy += 1
+            stats.engine_busy += 1
             if exc.job is not None:
                 # Part went out before the engine said busy: wait for it; the rest goes again.
                 partial = Submitted(exc.job, exc.submitted)
@@ -530,20 +699,20 @@ class WriterThread(RemoteEndpoint):
                 claim.retry_at = now + min(0.1, 0.001 * 2 ** min(10, int(waited * 20)))
                 return None
             claim.busy_since = None
-            self._write_failed(claim, f"{self.name} stayed busy for {waited:.1f}s: {exc}")
+            self._write_failed(claim, f"{name} stayed busy for {waited:.1f}s: {exc}")
             return None
         except Exception as exc:
             if isinstance(exc, PartialSubmit):
                 partial = Submitted(exc.job, exc.submitted)
                 peer.writes_in_flight += partial.writes
                 claim.jobs.append(partial)
-            logger.warning("kvfsm %s: submitting %d writes failed: %s", self.name, len(writes), exc)
-            self.remote_stats.engine_failures += 1
-            self._write_failed(claim, f"{self.name} submit failed: {exc}")
+            logger.warning("kvfsm %s: submitting %d writes failed: %s", name, len(writes), exc)
+            stats.engine_failures += 1
+            self._write_failed(claim, f"{name} submit failed: {exc}")
             return None
         claim.busy_since = None
-        self.remote_stats.jobs_submitted += 1
-        self.remote_stats.writes_submitted += len(writes)
+        stats.jobs_submitted += 1
+        stats.writes_submitted += len(writes)
         submitted = Submitted(job, len(writes))
         peer.writes_in_flight += submitted.writes
         claim.jobs.append(submitted)
@@ -554,8 +723,8 @@ class WriterThread(RemoteEndpoint):
         reason = FailureReason(FailureKind.TRANSFER_ERROR, message)
         claim.stopped = True
         claim.chunks.clear()
-        with self._lock:
-            self._fail_claim(claim, "fail", reason)
+        with self.owner._lock:
+            self.owner._fail_claim(claim, "fail", reason)
         if claim.handle is not None:
             claim.handle.fail(reason)
 
@@ -565,21 +734,15 @@ class WriterThread(RemoteEndpoint):
         if claim.undrained:
             logger.warning(
                 "kvfsm %s room %r: a failed write may still land; no ABORT_ACK, the drain deadline decides",
-                self.name,
+                self.owner.name,
                 claim.room,
             )
             return
-        with self._lock:
+        with self.owner._lock:
             row = step(wire.CLAIM_TABLE, claim, "drained")
             if row is not None:
-                self._emit(claim.session, row, claim.fields)
-            self._drop_if_done(claim)
+                self.owner._emit(claim.session, row, claim.fields)
+            self.owner._drop_if_done(claim)
         handle = claim.handle
         if handle is not None:
             handle.writes_drained()
-
-    def _drop_if_done(self, claim: Claim) -> None:  # the sender half's
-        raise NotImplementedError
-
-    def _fail_claim(self, claim: Claim, input: str, reason: FailureReason | None) -> bool:  # the sender half's
-        raise NotImplementedError

@@ -35,6 +35,8 @@ class ControlStats:
     oversized: int = 0
     unauthenticated: int = 0
     handler_errors: int = 0
+    #: Frames received but not handled yet when housekeeping last ran (their senders counted as heard).
+    backlog: int = 0
     send_failures: int = 0
     heartbeats_sent: int = 0
     peers_lost: int = 0
@@ -55,6 +57,8 @@ class Transport(Protocol):
 
     def send(self, channel: Any, frames: list[bytes]) -> bool: ...
 
-    def close_channel(self, channel: Any) -> None: ...
+    def close_channel(self, channel: Any, *, flush: bool = False) -> None:
+        """Close a channel; `flush=True` lets what was just sent on it still go out (bounded)."""
+        ...
 
     def wake(self) -> None: ...

@@ -197,7 +197,11 @@ class KVBackend(abc.ABC):
         self._bootstrap(handle, peer)
 
     def expect(self, handle: TransferHandle, pages: Sequence[int] | Any, aux_index: int | None = None) -> None:
-        """Receiver: the pages (in order) and the aux slot this room's data lands in."""
+        """Receiver: the pages (in order) and the aux slot this room's data lands in.
+
+        Once per room: a second call on a live room is refused
+        (`TransferInputError`, the room fails), whatever pages it names.
+        """
         self._check_handle(handle, "expect", Role.RECEIVER)
         if handle.is_terminal:
             return
@@ -220,7 +224,12 @@ class KVBackend(abc.ABC):
 
         A chunk may be empty (a zero-page last chunk). `aux_index` names the
         source aux slot copied as the commit marker; give it with the last
-        chunk (or earlier). On a room that already ended this does nothing.
+        chunk or any earlier one (the last one named counts). When the
+        receiver posted an aux slot, its room succeeds only with that slot
+        written: a last chunk when no chunk named a source slot is refused
+        (`TransferInputError`, the room fails with `TRANSFER_ERROR`), and so
+        is naming one for a receiver that posted none. On a room that
+        already ended this does nothing.
         """
         self._check_handle(handle, "send", Role.SENDER)
         if handle.is_terminal:

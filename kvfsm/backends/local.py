@@ -165,6 +165,8 @@ class _Link:
     receiver_ep: LocalBackend | None = None
     dst_pages: list[int] | None = None
     dst_aux: int | None = None
+    # The source aux slot, named with whichever chunk named it (the last one named wins).
+    src_aux: int | None = None
     marker: torch.Tensor | None = None
     copier: PageCopier | None = None
     offset: int = 0
@@ -396,6 +398,8 @@ class LocalBackend(KVBackend):
         first = False
         with link.lock:
             dst_pages = link.dst_pages
+            # The aux slot may be named with any chunk; the commit marker goes with the last.
+            named = aux_index if aux_index is not None else link.src_aux
             if link.ended:
                 problem = "send() after the chunk flagged last=True"
             elif dst_pages is None or link.receiver_ep is None:
@@ -410,10 +414,17 @@ class LocalBackend(KVBackend):
                     f"mismatched page counts: the last chunk ends after {link.offset + len(pages)} pages "
                     f"but the receiver expects {len(dst_pages)}"
                 )
-            elif last and aux_index is not None and link.dst_aux is None:
-                problem = f"aux_index {aux_index} given but the receiver posted no aux slot"
+            elif last and link.dst_aux is not None and named is None:
+                problem = (
+                    f"the receiver expects its commit marker in aux slot {link.dst_aux}, and no chunk named "
+                    "a source aux slot (aux_index)"
+                )
+            elif last and link.dst_aux is None and named is not None:
+                problem = f"aux_index {named} given but the receiver posted no aux slot"
             else:
-                chunk = _Chunk(link.chunks, pages, dst_pages[link.offset : link.offset + len(pages)], last, aux_index)
+                link.src_aux = named
+                src_aux = named if last else None
+                chunk = _Chunk(link.chunks, pages, dst_pages[link.offset : link.offset + len(pages)], last, src_aux)
                 link.offset += len(pages)
                 link.chunks += 1
                 link.ended = last

@@ -28,6 +28,22 @@ Two ways to write a chunk's coalesced page runs (`mode`):
 
 Memory is registered per region with `register_memory(ptr, nbytes)`.
 Mooncake has no cancel: an aborted room's in-flight writes are waited for.
+
+Opening a peer (issue 22, item 1). Mooncake's first write to a new peer
+opens that peer's segment with a synchronous handshake, and its Python
+binding holds one process-wide mutex while it does: every other submit of
+the process, to any peer, waits for that handshake (up to the handshake
+socket's 60 s receive timeout when the peer hangs). So `add_peer`, which
+runs on the peer's own writer lane when its session is confirmed, first
+probes the peer's handshake server (`send_probe`: no binding mutex, the
+GIL released, so a hung peer holds up its own lane and nothing else, and
+the lane's watchdog bounds it), and only once the peer answered opens its
+segment with a zero-byte write, while the peer is known to be alive. Later
+writes find the segment open and take the mutex only for a lookup. What
+remains is the moment between the probe's answer and the open: a peer that
+hangs exactly then still stalls every submit of the process for the
+handshake's timeout. That is Mooncake's binding; kvfsm cannot reach below
+it.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +75,21 @@ _BROKEN_BATCH = {-1, (1 << 64) - 1}
 # keeps it from happening: stay at half of the queue.
 _QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 _DEFAULT_QUEUE = 1024
+
+
+#: How many 1 ms naps the zero-byte write that opens a peer's segment is waited for.
+_OPEN_POLLS = 1000
+
+
+def _first_region(session: dict[str, Any]) -> int | None:
+    """The address of the peer's first KV region, from its session's pool layout, if it has one."""
+    pools = session.get("pools")
+    regions = pools.get("kv") if isinstance(pools, dict) else None
+    if isinstance(regions, list) and regions and isinstance(regions[0], list) and regions[0]:
+        address = regions[0][0]
+        if isinstance(address, int) and not isinstance(address, bool):
+            return address
+    return None
 
 
 def _per_peer_budget() -> int:
@@ -184,10 +216,31 @@ class MooncakeEngine(EngineAdapter):
         return {"session": self.rpc_session}, None
 
     def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        """The peer's segment name, its segment opened while the peer is known to answer (see above)."""
         target = session.get("session")
         if not isinstance(target, str) or ":" not in target:
             raise BackendError(f"a Mooncake peer session must be 'host:port'; got {target!r}")
+        rc = self.te.send_probe(target)
+        if rc != 0:
+            raise BackendError(f"Mooncake peer {target} did not answer a probe of its handshake server (returned {rc})")
+        destination = _first_region(session)
+        if self._registered and destination is not None:
+            self._open(target, self._registered[0], destination)
         return target
+
+    def _open(self, target: str, source: int, destination: int) -> None:
+        """Open the peer's segment with a write of zero bytes (nothing lands), and wait for it to end."""
+        batch = self.te.transfer_submit_write(target, source, destination, 0)
+        if batch == _REFUSED_BATCH or batch in _BROKEN_BATCH:
+            raise BackendError(f"Mooncake could not open the segment of {target} (returned {batch})")
+        for _ in range(_OPEN_POLLS):
+            status = self.te.transfer_check_status(batch)
+            if status in (1, -1):
+                if status == -1:
+                    raise BackendError(f"Mooncake's zero-byte write that opens {target}'s segment failed")
+                return
+            time.sleep(0.001)
+        # Still running: leave it; the segment is open, and the batch ends with the peer's next write.
 
     def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         detail = f"{len(writes)} runs, {sum(w[2] for w in writes)} bytes to {target}"

@@ -9,7 +9,12 @@ listener thread and etcd are not needed.
 A chunk's coalesced page runs become one NIXL transfer (one descriptor per
 run and KV region): `initialize_xfer("WRITE", ...)`, `transfer`, then
 `check_xfer_state` polled, "DONE"/"PROC"/"ERR" mapped to done/pending/
-failed. Completion travels on the control plane like every engine's
+failed. NIXL's Python binding raises instead of answering "ERR" for some
+states (`nixlRemoteDisconnectError` once the decode's process went away):
+such a job is failed like an "ERR" one, its handle released (which asks
+NIXL to cancel it), and only if that release fails too does the job say its
+writes may still land; the writer then fails that job's room and nothing
+else (issue 22, item 7). Completion travels on the control plane like every engine's
 (DONE, with the aux bytes when both aux pools are host memory), so a room
 reaches Success on the decode only after the prefill saw every write end
 and checked its room (rule 14). On abort, in-flight handles are released,
@@ -22,7 +27,7 @@ NIXL's own progress thread is off by default (`progress_thread=True`
 turns it on): it spins without pause (NIXL sets its delay to 0), which on
 a small CPU box starves every other thread (measured here: one-page
 writes went from about 0.1 ms to 10-25 ms). Without it the engine makes
-progress whenever it is polled, and this backend polls: the writer thread
+progress whenever it is polled, and this backend polls: the writer lanes
 with `check_xfer_state`, the decode's control thread with
 `get_new_notifs` every 0.1 ms while a prefill may be writing into it.
 
@@ -85,8 +90,16 @@ class _XferJob(EngineJob):
         self.detail = detail
 
     def poll(self) -> str:
-        with self._engine.lock:
-            state = self._engine.agent.check_xfer_state(self._handle)
+        try:
+            with self._engine.lock:
+                state = self._engine.agent.check_xfer_state(self._handle)
+        except Exception as exc:  # nixlRemoteDisconnectError and its kin: a failed transfer
+            self.detail = f"{self.detail}; check_xfer_state raised {type(exc).__name__}: {exc}"
+            logger.debug("NIXL check_xfer_state raised for %s: %s", self.detail, exc)
+            if not self.cancel():
+                # NIXL kept the handle: it cannot say the transfer stopped.
+                self.may_still_land = True
+            return "failed"
         if state == "DONE":
             return "done"
         if state == "PROC":
@@ -212,8 +225,12 @@ class NixlEngine(EngineAdapter):
 
     def progress(self) -> None:
         # Reading notifications progresses the agent; kvfsm sends none, so any that come are not ours.
-        with self.lock:
-            notes = self.agent.get_new_notifs()
+        try:
+            with self.lock:
+                notes = self.agent.get_new_notifs()
+        except Exception as exc:  # a peer's disconnect surfaces here too: nothing of ours to fail
+            logger.debug("NIXL get_new_notifs raised %s: %s", type(exc).__name__, exc)
+            return
         if notes:
             logger.debug(
                 "NIXL notifications from %s ignored (kvfsm completes rooms over its control plane)", list(notes)

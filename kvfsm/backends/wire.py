@@ -48,8 +48,27 @@ Sessions (rule 15)
     minted (`sid`, `key`), compared in constant time. Only a session's own
     frames can complete, fail or abort its rooms; an address or id that a
     frame claims never does. With a shared key configured, HELLO and
-    HELLO_ACK carry an HMAC-SHA256 over their content, so only holders of
+    HELLO_ACK carry an HMAC-SHA256 over their bytes, so only holders of
     the key can open a session at all.
+
+    The handshake has three legs: HELLO, HELLO_ACK, and the decode's first
+    frame of the session (a HEARTBEAT at once), which confirms it; the
+    prefill answers that confirmation with a HEARTBEAT of its own, and only
+    then is the session up on the decode (its rooms bootstrapped). A BYE
+    before that means "not accepted" (a half-open session evicted to make
+    room, or no room at all): the decode tries again with a new session
+    (`_remote_receiver`), so a burst of decodes larger than the prefill's
+    half-open bound still gets in, and none believes in a session the
+    prefill dropped.
+
+Envelopes (rule 15, work bounded before parsing)
+    A frame's session id, secret and MAC travel in a small envelope frame
+    before the JSON header (`TYPE [sid key] [mac]`, at most
+    `MAX_ENVELOPE_BYTES`), so an endpoint authenticates a frame, or checks
+    a handshake's MAC, before it parses a byte of JSON: a frame naming no
+    session costs a dictionary lookup whatever its size. Only HELLO is
+    parsed without a session, and its header is bounded apart
+    (`MAX_HELLO_BYTES`).
 
 Bounds (rule 15)
     Frame count, header and blob sizes, text lengths and page-list lengths
@@ -78,7 +97,9 @@ from .._states import MAX_INT_ROOM_ID, MAX_REASON_CHARS, MAX_ROOM_ID_CHARS, MIN_
 __all__ = [
     "MAGIC",
     "MAX_BLOB_BYTES",
+    "MAX_ENVELOPE_BYTES",
     "MAX_HEADER_BYTES",
+    "MAX_HELLO_BYTES",
     "MAX_PAGES",
     "MAX_TEXT",
     "MESSAGES",
@@ -97,12 +118,18 @@ __all__ = [
     "CHECK_DOCS",
     "room_id_ok",
     "sends_table",
+    "token_ok",
 ]
 
 #: First frame of every message: protocol name and version.
-MAGIC = b"KVFSM/2"
+MAGIC = b"KVFSM/3"
+#: Largest envelope frame (`TYPE [sid key] [mac]`, read before any JSON).
+MAX_ENVELOPE_BYTES = 256
 #: Largest JSON header frame: a ROOM listing `MAX_PAGES` pages fits.
 MAX_HEADER_BYTES = 6 << 20
+#: Largest header of a HELLO or HELLO_ACK: parsed before any session vouches for the
+#: sender, so bounded well below `MAX_HEADER_BYTES` (a pool layout of 4096 regions fits).
+MAX_HELLO_BYTES = 1 << 20
 #: Largest binary frame (engine metadata in a handshake, aux bytes in DONE).
 MAX_BLOB_BYTES = 1 << 20
 #: Longest text field (engine names, addresses, reasons once cut).
@@ -145,12 +172,16 @@ def _text(value: Any) -> bool:
     return value.__class__ is str and len(value) <= MAX_TEXT
 
 
+def token_ok(value: Any) -> bool:
+    """A session id, secret or MAC as an envelope carries it."""
+    return _token(value)
+
+
 def _token(value: Any) -> bool:
-    return value.__class__ is str and 0 < len(value) <= 64
-
-
-def _opt_token(value: Any) -> bool:
-    return value is None or _token(value)
+    # A session id or secret goes back in an envelope: printable ASCII, no spaces.
+    return (
+        value.__class__ is str and 0 < len(value) <= 64 and value.isascii() and value.isprintable() and " " not in value
+    )
 
 
 def _count(value: Any) -> bool:
@@ -180,8 +211,7 @@ CHECK_DOCS: dict[Check, str] = {
     _opt_gen: "a generation or null",
     _pgen: "a prefill generation (an int >= 0)",
     _text: f"a str of at most {MAX_TEXT} characters",
-    _token: "a session id or secret (a str of 1 to 64 characters)",
-    _opt_token: "a session secret or null",
+    _token: "a session id or secret (1 to 64 printable ASCII characters, no spaces)",
     _count: "an int >= 0",
     _opt_count: "an int >= 0 or null",
     _mapping: "a JSON object",
@@ -216,17 +246,25 @@ class MessageSpec:
 
     @property
     def authenticated(self) -> bool:
-        """Whether the frame carries its receiver's session id and secret (every message but HELLO)."""
+        """Whether the envelope carries its receiver's session id and secret (every message but HELLO)."""
         return self.name != "HELLO"
 
+    @property
+    def handshake(self) -> bool:
+        """Whether the envelope may carry a MAC of the shared key (HELLO and HELLO_ACK)."""
+        return self.name in ("HELLO", "HELLO_ACK")
 
-_AUTH: tuple[tuple[str, Check], ...] = (("sid", _token), ("key", _token))
+    @property
+    def max_header(self) -> int:
+        """The largest JSON header this message may have (checked before it is parsed)."""
+        return MAX_HELLO_BYTES if self.handshake else MAX_HEADER_BYTES
+
+
 _REPLY: tuple[tuple[str, Check], ...] = (("reply_sid", _token), ("reply_key", _token))
 _HANDSHAKE: tuple[tuple[str, Check], ...] = (
     ("role", _text),
     ("engine", _text),
     ("session", _mapping),
-    ("mac", _opt_token),
 )
 
 MESSAGES: tuple[MessageSpec, ...] = (
@@ -243,20 +281,25 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "HELLO_ACK",
         Sender.PREFILL,
         Scope.SESSION,
-        (*_AUTH, *_REPLY, *_HANDSHAKE, ("refused", _text)),
+        (*_REPLY, *_HANDSHAKE, ("refused", _text)),
         True,
         "the answer, to the HELLO's address: the prefill's session id and secret, engine session "
         "and pools, or why it refused (refused is empty when it did not)",
     ),
-    MessageSpec("HEARTBEAT", Sender.EITHER, Scope.SESSION, _AUTH, False, "a sign of life"),
+    MessageSpec("HEARTBEAT", Sender.EITHER, Scope.SESSION, (), False, "a sign of life"),
     MessageSpec(
-        "BYE", Sender.EITHER, Scope.SESSION, _AUTH, False, "shutting down on purpose: do not wait for the window"
+        "BYE",
+        Sender.EITHER,
+        Scope.SESSION,
+        (),
+        False,
+        "shutting down on purpose: do not wait for the window; before the session is up: not accepted, try again",
     ),
     MessageSpec(
         "ROOM",
         Sender.DECODE,
         Scope.ROOM,
-        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pages", _pages), ("aux", _opt_count)),
+        (("room", room_id_ok), ("gen", _gen), ("pages", _pages), ("aux", _opt_count)),
         False,
         "the decode's claim on the prefill's room: its generation, destination pages and aux slot",
     ),
@@ -264,7 +307,7 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "CHUNK",
         Sender.PREFILL,
         Scope.ROOM,
-        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
+        (("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
         False,
         "every write of one middle chunk landed",
     ),
@@ -272,7 +315,7 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "DONE",
         Sender.PREFILL,
         Scope.ROOM,
-        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
+        (("room", room_id_ok), ("gen", _gen), ("pgen", _pgen), ("nbytes", _count)),
         True,
         "every write of the transfer landed and the prefill's room succeeded; the blob is the aux "
         "slot's bytes when they were not written by the engine",
@@ -282,7 +325,6 @@ MESSAGES: tuple[MessageSpec, ...] = (
         Sender.EITHER,
         Scope.ROOM,
         (
-            *_AUTH,
             ("room", room_id_ok),
             ("gen", _gen),
             ("pgen", _opt_gen),
@@ -296,7 +338,7 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "ABORT_ACK",
         Sender.PREFILL,
         Scope.ROOM,
-        (*_AUTH, ("room", room_id_ok), ("gen", _gen), ("pgen", _opt_gen)),
+        (("room", room_id_ok), ("gen", _gen), ("pgen", _opt_gen)),
         False,
         "none of this transfer's writes is in flight: the decode may release its pages",
     ),

@@ -4,6 +4,14 @@ A backend author subclasses it and supplies `make_backends(sender,
 receiver) -> BackendPair`; the kit moves real pages through the pair while
 it aborts, fails, times out and releases rooms, and checks the bytes that
 land and the release gate after every settle.
+
+With aux hooks (`write_source_aux`, `read_destination_aux`) the kit also
+checks the commit marker (rule 14): the sender names its aux slot with the
+last chunk, an earlier one, or none at all; a receiver that posted an aux
+slot reaches Success only with that slot written, and a last chunk that
+leaves it unnamed is refused at the call (`TransferInputError`, the room
+failed). A second `expect()` on a live room is refused the same way, on
+every pair. Every backend must behave alike here (issue 22, item 3).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from .._errors import KVFSMError
 from .._lifecycle import TERMINAL, Timeouts
 from .._manager import TransferHandle, TransferManager
 from .._states import FailureKind, FailureReason, KVPoll, Role
@@ -39,7 +48,9 @@ class BackendPair:
     `read_destination(page) -> token` let the kit check data integrity and
     the release gate: write a recognisable int into every byte group of a
     source page / read it back from a destination page (leave them None if
-    the adapter moves no data). `settle()` blocks until every operation
+    the adapter moves no data). `write_source_aux(slot, token)` and
+    `read_destination_aux(slot) -> token` do the same for aux slots: with
+    them the kit checks the commit marker. `settle()` blocks until every operation
     the adapter started has finished (its worker threads are idle); leave
     it as is for synchronous adapters. `close()` releases everything.
     """
@@ -51,6 +62,8 @@ class BackendPair:
     write_source: Callable[[int, int], None] | None = None
     read_destination: Callable[[int], int] | None = None
     write_destination: Callable[[int, int], None] | None = None
+    write_source_aux: Callable[[int, int], None] | None = None
+    read_destination_aux: Callable[[int], int] | None = None
     settle: Callable[[], None] = attrs.field(default=lambda: None)
     close: Callable[[], None] | None = None
 
@@ -83,6 +96,12 @@ class _Transfer:
     tokens: list[int]
     sent: int = 0
     expected: bool = False
+    # The commit marker: the receiver's aux slot, the sender's, the chunk that names it (None: none does).
+    dst_aux: int | None = None
+    src_aux: int | None = None
+    aux_at: int | None = None
+    aux_token: int = 0
+    refused: bool = False
 
 
 class BackendConformance(RuleBasedStateMachine):
@@ -121,6 +140,12 @@ class BackendConformance(RuleBasedStateMachine):
             raise ValueError(f"{type(self).__name__}.make_backends: the pair needs at least one page (got {num_pages})")
         self.free_source = list(range(num_pages))
         self.free_destination = list(range(num_pages))
+        aux_slots = 0
+        if self.pair.write_source_aux is not None and self.pair.read_destination_aux is not None:
+            sender_pools = self.pair.sender.pools
+            aux_slots = min(pools.num_aux_slots if pools else 0, sender_pools.num_aux_slots if sender_pools else 0)
+        self.free_source_aux = list(range(aux_slots))
+        self.free_destination_aux = list(range(aux_slots))
         self.poisoned: set[int] = set()
         self.transfers: list[_Transfer] = []
         self.finished: list[_Transfer] = []
@@ -159,6 +184,21 @@ class BackendConformance(RuleBasedStateMachine):
         sender = self.sender_manager.open(room)
         receiver = self.receiver_manager.open(room)
         transfer = _Transfer(room, sender, receiver, source, destination, chunks, tokens)
+        marker = False
+        if self.free_source_aux and self.free_destination_aux:
+            marker = data.draw(st.booleans(), label="commit marker")
+        if marker:
+            transfer.src_aux = data.draw(st.sampled_from(self.free_source_aux), label="source aux slot")
+            transfer.dst_aux = data.draw(st.sampled_from(self.free_destination_aux), label="destination aux slot")
+            self.free_source_aux.remove(transfer.src_aux)
+            self.free_destination_aux.remove(transfer.dst_aux)
+            # Named with the last chunk, an earlier one, or (rarely) none: then the last chunk is refused.
+            transfer.aux_at = data.draw(
+                st.sampled_from([*range(len(chunks)), len(chunks) - 1, None]), label="chunk naming the aux slot"
+            )
+            transfer.aux_token = next(self._tokens)
+            assert self.pair.write_source_aux is not None
+            self.pair.write_source_aux(transfer.src_aux, transfer.aux_token)
         self.transfers.append(transfer)
         self.pair.receiver.bootstrap(receiver, self.pair.peer)
         self.pair.sender.bootstrap(sender, self.pair.peer)
@@ -173,17 +213,57 @@ class BackendConformance(RuleBasedStateMachine):
         """The receiver posts its destination pages (once its room left Bootstrapping)."""
         transfer = data.draw(st.sampled_from([t for t in self.transfers if _can_expect(t)]), label="request")
         transfer.expected = True
-        self.pair.receiver.expect(transfer.receiver, transfer.destination)
+        self.pair.receiver.expect(transfer.receiver, transfer.destination, transfer.dst_aux)
         self.pair.settle()
+
+    @precondition(lambda self: any(t.expected for t in self.transfers))
+    @rule(data=st.data())
+    def expect_again(self, data: st.DataObject) -> None:
+        """A second `expect()`: refused on a live room (which fails), nothing at all on an ended one."""
+        transfer = data.draw(st.sampled_from([t for t in self.transfers if t.expected]), label="request")
+        handle = transfer.receiver
+        live = not handle.is_terminal
+        before = handle.state
+        refused = False
+        try:
+            self.pair.receiver.expect(handle, list(reversed(transfer.destination)), transfer.dst_aux)
+        except KVFSMError:
+            refused = True
+        if live:
+            assert refused, f"room {transfer.room}: a second expect() on a live room was taken"
+            assert handle.state is KVPoll.Failed, f"room {transfer.room}: refused, yet {handle.state.name}"
+        elif not refused:
+            assert handle.state is before
+        self.pair.settle()
+
+    def _send_next(self, transfer: _Transfer) -> None:
+        """Send the transfer's next chunk, naming its aux slot where it was drawn to; check a refusal."""
+        index = transfer.sent
+        chunk = transfer.chunks[index]
+        transfer.sent += 1
+        last = transfer.sent == len(transfer.chunks)
+        aux = transfer.src_aux if transfer.aux_at == index else None
+        unnamed = transfer.aux_at is None or transfer.aux_at > index
+        must_refuse = last and transfer.dst_aux is not None and unnamed and not transfer.sender.is_terminal
+        try:
+            self.pair.sender.send(transfer.sender, chunk, last=last, aux_index=aux)
+        except KVFSMError:
+            assert must_refuse, f"room {transfer.room}: send() refused a chunk it must take"
+            transfer.refused = True
+            assert transfer.sender.state is KVPoll.Failed
+            return
+        if must_refuse and not transfer.sender.is_terminal:
+            raise AssertionError(
+                f"room {transfer.room}: the last chunk was taken although no chunk named the aux slot the "
+                f"receiver posted ({transfer.dst_aux}): Success without the commit marker"
+            )
 
     @precondition(lambda self: any(_can_send(t) for t in self.transfers))
     @rule(data=st.data())
     def send_chunk(self, data: st.DataObject) -> None:
         """The sender sends its next chunk (once the receiver posted pages and the sender left Bootstrapping)."""
         transfer = data.draw(st.sampled_from([t for t in self.transfers if _can_send(t)]), label="request")
-        chunk = transfer.chunks[transfer.sent]
-        transfer.sent += 1
-        self.pair.sender.send(transfer.sender, chunk, last=transfer.sent == len(transfer.chunks))
+        self._send_next(transfer)
         self.pair.settle()
 
     @precondition(lambda self: any(_can_expect(t) or _can_send(t) for t in self.transfers))
@@ -193,14 +273,12 @@ class BackendConformance(RuleBasedStateMachine):
         transfer = data.draw(st.sampled_from([t for t in self.transfers if _can_expect(t) or _can_send(t)]))
         if _can_expect(transfer):
             transfer.expected = True
-            self.pair.receiver.expect(transfer.receiver, transfer.destination)
+            self.pair.receiver.expect(transfer.receiver, transfer.destination, transfer.dst_aux)
             # A cross-process sender may leave Bootstrapping only once the posted pages
             # reach it: settled first, whether it can send is the same on every replay.
             self.pair.settle()
         while _can_send(transfer):
-            chunk = transfer.chunks[transfer.sent]
-            transfer.sent += 1
-            self.pair.sender.send(transfer.sender, chunk, last=transfer.sent == len(transfer.chunks))
+            self._send_next(transfer)
             self.pair.settle()
         self.settle()
 
@@ -276,6 +354,10 @@ class BackendConformance(RuleBasedStateMachine):
         self.finished.append(transfer)
         if transfer.sender.release_safe or transfer.sender.state is KVPoll.Success:
             self.free_source.extend(transfer.source)
+            if transfer.src_aux is not None:
+                self.free_source_aux.append(transfer.src_aux)
+        if transfer.dst_aux is not None:
+            self.free_destination_aux.append(transfer.dst_aux)
         # Source pages of a sender not yet drained stay out of circulation.
         # Released destination pages are poisoned: no write may land there any more.
         if self.pair.write_destination is not None:
@@ -359,6 +441,13 @@ class BackendConformance(RuleBasedStateMachine):
             )
 
     def _check_integrity(self, transfer: _Transfer) -> None:
+        read_aux = self.pair.read_destination_aux
+        if transfer.receiver.state is KVPoll.Success and transfer.dst_aux is not None and read_aux is not None:
+            found = read_aux(transfer.dst_aux)
+            assert found == transfer.aux_token, (
+                f"rule 14 broken: room {transfer.room} succeeded and its aux slot {transfer.dst_aux} holds {found}, "
+                f"expected {transfer.aux_token} (the commit marker never landed)"
+            )
         read = self.pair.read_destination
         if read is None:
             return

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm import KVPoll, TransferManager
 from kvfsm.backends._remote_engine import EngineAdapter, EngineJob, Write
+from kvfsm.backends._remote_sender import PrefillEndpoint
 from kvfsm.backends.base import KVPools, MemoryRegion
 from kvfsm.backends.mooncake import MooncakeBackend, MooncakeEngine
 from kvfsm.backends.nixl import NixlBackend
@@ -45,6 +45,7 @@ from kvfsm.backends.remote import RemoteBackend, RemoteConfig
 from kvfsm.testing import BackendConformance, BackendPair
 
 PAGES = 8
+AUX_SLOTS = 4
 LAYERS = 2
 WORDS_PER_PAGE = 4
 SETTLE_LIMIT = 20.0
@@ -56,15 +57,23 @@ CONFIG = RemoteConfig(heartbeat_interval=3600.0)
 
 
 class Pages:
-    """One endpoint's KV tensors, written and read one page token at a time."""
+    """One endpoint's KV tensors and aux slots, written and read one token at a time."""
 
     def __init__(self) -> None:
         self.tensors = [torch.zeros(LAYERS, PAGES, WORDS_PER_PAGE, dtype=torch.int64) for _ in range(2)]
-        self.pools = KVPools.from_tensors(*self.tensors)
+        self.aux = torch.zeros(AUX_SLOTS, 2, dtype=torch.int64)
+        self.pools = KVPools.from_tensors(self.tensors[0], self.tensors[1], self.aux)
 
     def write(self, page: int, token: int) -> None:
         for tensor in self.tensors:
             tensor[:, page] = token
+
+    def write_aux(self, slot: int, token: int) -> None:
+        self.aux[slot] = token
+
+    def read_aux(self, slot: int) -> int:
+        values = self.aux[slot].unique()  # type: ignore[no-untyped-call]
+        return int(values[0]) if values.numel() == 1 else -2
 
     def read(self, page: int) -> int:
         values = torch.cat([tensor[:, page].reshape(-1) for tensor in self.tensors]).unique()  # type: ignore[no-untyped-call]
@@ -104,7 +113,7 @@ def kept_mooncake(role: str) -> KeptMooncakeEngine:
     if role not in _KEPT:
         _KEPT[role] = KeptMooncakeEngine()
     engine = _KEPT[role]
-    for tensor in engine.pages.tensors:
+    for tensor in (*engine.pages.tensors, engine.pages.aux):
         tensor.zero_()  # no token of an earlier example may pass for a write of this one
     return engine
 
@@ -116,33 +125,32 @@ class Settling(RemoteBackend):
 
     def _count_handled(self) -> None:
         self.handled = 0
-        receive: Callable[[list[bytes]], None] = self.receive
+        admit = self.endpoint.admit
 
-        def counting(frames: list[bytes]) -> None:
-            try:
-                receive(frames)
-            finally:
+        def counting(frames: list[bytes]) -> Callable[[], None] | None:
+            work = admit(frames)
+            if work is None:
                 self.handled += 1
+                return None
+
+            def counted() -> None:
+                try:
+                    work()
+                finally:
+                    self.handled += 1
+
+            return counted
 
         # Counted after the handler returned: whatever it queued for the writer is queued by then.
         setattr(self.transport, "_on_frames", counting)  # noqa: B010
 
-    def _command(self, command: str, payload: Any) -> None:
-        if command == "sync":
-            # Commands are handled in order: everything queued before this one has been taken up.
-            if not self._has_work():
-                payload.set()
-            return
-        super()._command(command, payload)
-
     def writer_idle(self) -> bool:
-        """True when the writer took up every command queued so far and had no room with work left.
+        """True when every lane took up every command queued so far and had no work left.
 
-        False when it still had work at that moment (or is slow to answer): ask again.
+        False when one still had work at that moment (or is slow to answer): ask again.
         """
-        done = threading.Event()
-        self._work.put(("sync", done))
-        return done.wait(SYNC_WAIT)
+        endpoint = self.endpoint
+        return not isinstance(endpoint, PrefillEndpoint) or endpoint.lanes_idle(SYNC_WAIT)
 
 
 class SettlingMooncakeBackend(Settling, MooncakeBackend):
@@ -163,10 +171,12 @@ class SettlingNixlBackend(Settling, NixlBackend):
 
 def decode_behind(sending: Settling, receiving: Settling) -> bool:
     """True while a live decode room has seen fewer chunks than its prefill room, or is not done when it is."""
-    with sending._lock:
-        rooms = [(claim.gen, claim.handle) for claim in sending._claim_of.values() if claim.handle is not None]
-    with receiving._lock:
-        records = {gen: rec for session in receiving.sessions for gen, rec in session.records.items()}
+    prefill, decode = sending.endpoint, receiving.endpoint
+    assert isinstance(prefill, PrefillEndpoint)
+    with prefill._lock:
+        rooms = [(claim.gen, claim.handle) for claim in prefill._claim_of.values() if claim.handle is not None]
+    with decode._lock:
+        records = {gen: rec for session in decode.sessions for gen, rec in session.records.items()}
     for gen, send in rooms:
         rec = records.get(gen)
         if rec is None or rec.handle.is_terminal:
@@ -213,6 +223,8 @@ def _pair(sending: Settling, receiving: Settling, source: Pages, destination: Pa
         write_source=source.write,
         read_destination=destination.read,
         write_destination=destination.write,
+        write_source_aux=source.write_aux,
+        read_destination_aux=destination.read_aux,
         settle=lambda: settle_pair(sending, receiving),
     )
 

@@ -257,6 +257,7 @@ class _Endpoint:
             },
             "dropped": control.dropped,
             "stale_messages": remote.stale_messages,
+            "jobs_submitted": remote.jobs_submitted,
             "peers_lost": remote.peers_lost,
             "late_events": self.manager.stats.late_events,
             "control_running": self.backend.control.running,
@@ -281,7 +282,7 @@ class _Endpoint:
         """`count` HELLOs, each naming another reply address (nothing listens there)."""
         from kvfsm.backends import codec
 
-        fields, blob = self.backend._session_fields()
+        fields, blob = self.backend.endpoint._session_fields()
         for i in range(count):
             hello = {
                 "addr": f"tcp://127.0.0.1:{20000 + i % 40000}",
@@ -290,13 +291,16 @@ class _Endpoint:
                 "role": "receiver",
                 "engine": self.backend.name,
                 "session": fields,
-                "mac": None,
             }
             self.backend.control.send_raw(addr, codec.encode("HELLO", hello, blob))
 
     def decode_generation(self, room: Any) -> int:
         """The wire generation of a decode room (to forge frames naming it)."""
-        record = self.backend._recv_by_handle[(room, self.handles[room].generation)]
+        from kvfsm.backends._remote_receiver import DecodeEndpoint
+
+        endpoint = self.backend.endpoint
+        assert isinstance(endpoint, DecodeEndpoint)
+        record = endpoint._recv_by_handle[(room, self.handles[room].generation)]
         return int(record.gen)
 
     # -- a hand on the engine's reports (the bytes still move through the real engine) ----------

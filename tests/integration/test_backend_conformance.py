@@ -34,10 +34,14 @@ class FakeBackendConformance(BackendConformance):
         return BackendPair(sender=sending, receiver=receiving, peer=sending.address, num_pages=PAGES)
 
 
-def _pools() -> tuple[KVPools, list[Any]]:
+AUX_SLOTS = 4
+
+
+def _pools() -> tuple[KVPools, list[Any], Any]:
     k = torch.zeros(LAYERS, PAGES, WORDS_PER_PAGE, dtype=torch.int64)
     v = torch.zeros(LAYERS, PAGES, WORDS_PER_PAGE, dtype=torch.int64)
-    return KVPools.from_tensors(k, v), [k, v]
+    aux = torch.zeros(AUX_SLOTS, 2, dtype=torch.int64)
+    return KVPools.from_tensors(k, v, aux), [k, v], aux
 
 
 class LocalBackendConformance(BackendConformance):
@@ -48,8 +52,8 @@ class LocalBackendConformance(BackendConformance):
         # One worker: settle() then only has to wait for one queue.
         sending = LocalBackend(sender, fabric=fabric, workers=1, faults=self.faults)
         receiving = LocalBackend(receiver, fabric=fabric)
-        source_pools, source = _pools()
-        destination_pools, destination = _pools()
+        source_pools, source, source_aux = _pools()
+        destination_pools, destination, destination_aux = _pools()
         sending.register_pools(source_pools)
         receiving.register_pools(destination_pools)
 
@@ -65,6 +69,13 @@ class LocalBackendConformance(BackendConformance):
             values = torch.cat([tensor[:, page].reshape(-1) for tensor in destination]).unique()
             return int(values[0]) if values.numel() == 1 else -2  # -2: a torn page
 
+        def write_source_aux(slot: int, token: int) -> None:
+            source_aux[slot] = token
+
+        def read_destination_aux(slot: int) -> int:
+            values = destination_aux[slot].unique()
+            return int(values[0]) if values.numel() == 1 else -2
+
         def settle() -> None:
             # Every chunk queued so far has run once a no-op queued after them has.
             sending._pool.submit(lambda: None).result()  # type: ignore[union-attr]
@@ -76,6 +87,8 @@ class LocalBackendConformance(BackendConformance):
             write_source=write_source,
             read_destination=read_destination,
             write_destination=write_destination,
+            write_source_aux=write_source_aux,
+            read_destination_aux=read_destination_aux,
             settle=settle,
         )
 

@@ -186,24 +186,28 @@ def test_malformed_control_messages_are_dropped(pair: Pair) -> None:
     pair.connect(live, [20, 21], aux=None)
     gen = pair.decode.decode_generation(live)
     before_prefill, before_decode = pair.prefill.stats(), pair.decode.stats()
-    auth = {"sid": "0" * 16, "key": "f" * 32}
+    forged_auth = b"0000000000000000 ffffffffffffffffffffffffffffffff"
     bad = [
         [b"HELLO"],  # one frame
-        [b"NOT-KVFSM", b"{}"],  # wrong magic
-        [b"KVFSM/9", b"{}"],  # a future version
-        [wire.MAGIC, b"\xff\xfe not json"],
-        [wire.MAGIC, b"[1, 2]"],  # not an object
-        [wire.MAGIC, json.dumps({"type": "FROB", **auth}).encode()],
-        [wire.MAGIC, json.dumps({"type": "ABORT", **auth}).encode()],  # fields missing
-        [
-            wire.MAGIC,
-            json.dumps({"type": "ROOM", **auth, "room": live, "gen": gen, "pages": [-1], "aux": None}).encode(),
-        ],
-        [wire.MAGIC, b"{}", b"blob", b"extra"],  # four frames
+        [b"NOT-KVFSM", b"HEARTBEAT", b"{}"],  # wrong magic
+        [b"KVFSM/9", b"HEARTBEAT", b"{}"],  # a future version
+        [wire.MAGIC, b"HEARTBEAT"],  # no header frame
+        [wire.MAGIC, b"FROB " + forged_auth, b"{}"],  # unknown type
+        [wire.MAGIC, b"ABORT", b"{}"],  # no session in the envelope
+        [wire.MAGIC, b"ABORT \xff\xfe", b"{}"],  # not ASCII
+        [wire.MAGIC, b"HEARTBEAT " + forged_auth, b"{}", b"blob", b"extra"],  # five frames
+    ]
+    # Headers only a prefill parses without a session (a decode drops every HELLO as not from a peer).
+    bad_hellos = [
+        [wire.MAGIC, b"HELLO", b"\xff\xfe not json"],
+        [wire.MAGIC, b"HELLO", b"[1, 2]"],  # not an object
+        [wire.MAGIC, b"HELLO", json.dumps({"addr": "x"}).encode()],  # fields missing
     ]
     for frames in bad:
         pair.decode.send_raw(pair.prefill.address, frames)
         pair.prefill.send_raw(pair.decode.address, frames)
+    for frames in bad_hellos:
+        pair.decode.send_raw(pair.prefill.address, frames)
     # Well-formed, naming the live room and its generation, from no session of the receiver's.
     forged = {"room": live, "gen": gen, "pgen": None, "kind": "aborted", "message": "forged"}
     pair.decode.send_message(pair.prefill.address, "ABORT", forged)
@@ -215,8 +219,9 @@ def test_malformed_control_messages_are_dropped(pair: Pair) -> None:
     prefill = pair.prefill.wait(live, ["Success", "Failed"], WAIT)
     assert (prefill["state"], decode["state"]) == ("Success", "Success"), (prefill, decode)
     after_prefill, after_decode = pair.prefill.stats(), pair.decode.stats()
-    for before, after, forged_count in ((before_prefill, after_prefill, 1), (before_decode, after_decode, 2)):
-        assert after["dropped"] - before["dropped"] == len(bad) + forged_count
+    sides = ((before_prefill, after_prefill, 1, len(bad_hellos)), (before_decode, after_decode, 2, 0))
+    for before, after, forged_count, hellos in sides:
+        assert after["dropped"] - before["dropped"] == len(bad) + hellos + forged_count
         assert after["control"]["bad_version"] - before["control"]["bad_version"] == 1
         assert after["control"]["unknown_type"] - before["control"]["unknown_type"] == 1
         assert after["control"]["unauthenticated"] - before["control"]["unauthenticated"] == forged_count

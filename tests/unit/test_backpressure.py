@@ -127,8 +127,8 @@ def test_two_rooms_share_the_budget_instead_of_one_waiting_for_the_other() -> No
     world = _world(budget=2)
     a_prefill, _ = _room(world, 1, A_PAGES)
     b_prefill, _ = _room(world, 2, B_PAGES)
-    world.prefill.send(a_prefill, A_PAGES, last=True)
-    world.prefill.send(b_prefill, B_PAGES, last=True)
+    world.prefill.send(a_prefill, A_PAGES, last=True, aux_index=1)
+    world.prefill.send(b_prefill, B_PAGES, last=True, aux_index=2)
     engine = world.prefill.sim_engine
     order: list[str] = []
     pages_of = {dst: "a" for dst, _ in world.decode_pools[0].page_ranges(A_PAGES)}
@@ -172,7 +172,7 @@ def test_an_engine_busy_for_too_long_fails_the_room_and_says_so(world: World, mo
     monkeypatch.setattr(_remote_writer, "_BUSY_GIVE_UP", 0.0)
     prefill, decode = _room(world, 1, A_PAGES)
     world.prefill.sim_engine.refuse = 10**9
-    world.prefill.send(prefill, A_PAGES, last=True)
+    world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     for _ in range(50):
         world.pump()
         if prefill.state is KVPoll.Failed:
@@ -188,7 +188,7 @@ def test_an_engine_busy_for_too_long_fails_the_room_and_says_so(world: World, mo
 def test_a_real_engine_error_fails_the_room_at_once(world: World) -> None:
     prefill, decode = _room(world, 1, A_PAGES)
     world.prefill.sim_engine.broken = "the NIC went away"
-    world.prefill.send(prefill, A_PAGES, last=True)
+    world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     world.pump()
     assert prefill.state is KVPoll.Failed and prefill.reason is not None
     assert prefill.reason.kind is FailureKind.TRANSFER_ERROR and "the NIC went away" in prefill.reason.message
@@ -201,7 +201,7 @@ def test_a_real_engine_error_fails_the_room_at_once(world: World) -> None:
 def test_a_stopped_room_drops_its_queued_writes_and_waits_for_those_out(world: World, side: str) -> None:
     prefill, decode = _room(world, 1, A_PAGES)
     engine = world.prefill.sim_engine
-    world.prefill.send(prefill, A_PAGES, last=True)
+    world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     world.pump()
     out = list(engine.inflight)
     assert _in_flight(world) == 3  # the budget; the other writes wait in the writer
@@ -218,4 +218,4 @@ def test_a_stopped_room_drops_its_queued_writes_and_waits_for_those_out(world: W
         job.complete()
     world.settle()
     assert _safe(decode) and len(engine.submitted) == 3
-    assert not world.prefill._active
+    assert not world.prefill.active_claims()

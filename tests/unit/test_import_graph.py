@@ -88,3 +88,27 @@ def test_the_package_has_no_import_circles() -> None:
 def test_the_circle_finder_finds_circles() -> None:
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_endpoint_halves_run_without_pyzmq() -> None:
+    """Only the transport imports zmq: the halves, the wire model's harness and a whole transfer run without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['zmq'] = None\n"  # `import zmq` now raises ImportError
+        "import kvfsm\n"
+        "from kvfsm.backends import remote, _remote_sender, _remote_receiver, _remote_writer, _sessions\n"
+        "from tests.wire_sim import World\n"
+        "world = World(decodes=1)\n"
+        "p, d = world.prefill_manager.open(1), world.decode_managers[0].open(1)\n"
+        "world.prefill.bootstrap(p, 'sim://prefill'); world.decodes[0].bootstrap(d, 'sim://prefill'); world.settle()\n"
+        "world.decodes[0].expect(d, [1], aux_index=None); world.settle()\n"
+        "world.prefill.send(p, [2], last=True); world.settle()\n"
+        "assert (p.state.name, d.state.name) == ('Success', 'Success'), (p, d)\n"
+        "assert 'zmq' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n"
+    )
+    root = PACKAGE.parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

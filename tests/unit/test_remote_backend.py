@@ -124,12 +124,14 @@ class Pair:
         assert isinstance(engine, ScriptedEngine)
         return engine
 
-    def connect(self, room: int, dst: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
+    def connect(
+        self, room: int, dst: list[int], aux: int | None = None
+    ) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
         send, recv = self.sender.open(room), self.receiver.open(room)
         self.send_backend.bootstrap(send, self.send_backend.address)
         self.recv_backend.bootstrap(recv, self.send_backend.address)
         assert wait_for(lambda: recv.state is kvfsm.KVPoll.WaitingForInput)
-        self.recv_backend.expect(recv, dst, 1)
+        self.recv_backend.expect(recv, dst, aux)
         assert wait_for(lambda: send.state is kvfsm.KVPoll.WaitingForInput)
         return send, recv
 
@@ -155,7 +157,7 @@ def pair() -> Iterator[Pair]:
 
 
 def test_pages_land_in_order_and_the_aux_slot_last(pair: Pair) -> None:
-    send, recv = pair.connect(1, [3, 4, 9])
+    send, recv = pair.connect(1, [3, 4, 9], aux=1)
     pair.send_backend.send(send, [0, 1], last=False)
     pair.send_backend.send(send, [2], last=True, aux_index=2)
     assert wait_for(lambda: recv.is_terminal)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 
 pytest.importorskip("torch", reason="torch is needed for the KV pools")
@@ -139,7 +140,7 @@ def test_a_frame_from_no_session_changes_nothing(world: World, kind: str) -> Non
     prefill, decode = _open(world, 4)
     world.decodes[0].expect(decode, [1], aux_index=None)
     world.net.deliver_all()
-    gen = world.decodes[0]._recv_by_handle[(4, decode.generation)].gen
+    gen = world.decodes[0].decode._recv_by_handle[(4, decode.generation)].gen
     by_kind: dict[str, dict[str, Any]] = {
         "HEARTBEAT": {},
         "BYE": {},
@@ -163,8 +164,10 @@ def test_a_frame_from_no_session_changes_nothing(world: World, kind: str) -> Non
     assert _state(decode) is KVPoll.Success
 
 
-def test_hellos_naming_other_addresses_are_bounded_and_touch_no_engine(world: World) -> None:
+def test_hellos_naming_other_addresses_are_bounded_and_touch_no_engine() -> None:
     """Defect 5: each HELLO costs one half-open session at most, and the engine is not asked anything."""
+    config = attrs.evolve(CONFIG, max_half_open=16)
+    world = World(config)
     added: list[object] = []
     engine = world.prefill.sim_engine
     original = engine.add_peer
@@ -174,7 +177,7 @@ def test_hellos_naming_other_addresses_are_bounded_and_touch_no_engine(world: Wo
         return original(session, blob)
 
     engine.add_peer = counting  # type: ignore[method-assign]
-    fields, blob = world.decodes[0]._session_fields()
+    fields, blob = world.decodes[0].endpoint._session_fields()
     for i in range(200):
         hello = {
             "addr": f"sim://nobody{i}",
@@ -186,12 +189,14 @@ def test_hellos_naming_other_addresses_are_bounded_and_touch_no_engine(world: Wo
             "mac": None,
         }
         world.prefill.receive(codec.encode("HELLO", hello, blob))
-    assert len(world.prefill.sessions) <= CONFIG.max_half_open
-    assert world.prefill.transport.stats.sessions_evicted == 200 - CONFIG.max_half_open
+    assert len(world.prefill.sessions) <= config.max_half_open
+    assert world.prefill.transport.stats.sessions_evicted == 200 - config.max_half_open
     assert added == [], "an unconfirmed session reached the engine"
     _prefill, decode = _open(world, 5)  # a real decode still gets its session
     assert decode.state is KVPoll.WaitingForInput
     assert len(added) == 1
+    for endpoint in world.endpoints:
+        endpoint.close()
 
 
 def test_early_aborts_are_bounded_per_session(world: World) -> None:
@@ -203,9 +208,9 @@ def test_early_aborts_are_bounded_per_session(world: World) -> None:
         session = small.decodes[0].sessions.up()[0]
         for room in range(1000, 1300):
             fields = {"room": room, "gen": room, "pgen": None, "kind": "aborted", "message": "gone"}
-            small.decodes[0]._send_frame(session, "ABORT", fields)
+            small.decodes[0].endpoint._send_frame(session, "ABORT", fields)
         small.net.deliver_all()
-        assert len(small.prefill._pending) == 50
+        assert len(small.prefill.prefill._pending) == 50
         assert small.prefill.remote_stats.pending_dropped == 250
         late = small.prefill_manager.open(1299 - 250 - 1)  # one whose early abort was never held
         small.prefill.bootstrap(late, "sim://prefill")

@@ -11,6 +11,11 @@ kvfsm manager: the legacy status surface (`request_status`,
 `update_status`, ...) turns integer writes into lifecycle events
 (`_legacy_status`), and the deferred-release questions
 (`is_abort_release_safe`) are answered by kvfsm's release gate.
+
+SGLang's `bootstrap_room` is any int its client chose, 2**64 and beyond
+included; every method maps it with `kvfsm.compat._room_ids.fit_room_id`
+(itself when it fits 64 bits, a string naming it when not), on both sides
+of a transfer alike, so no constructor or hook raises on a client's id.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..._errors import ConfigError, DuplicateRoom, UnknownRoom
 from ..._lifecycle import KV_LIFECYCLE, Lifecycle, PhaseTimeouts
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
+from .._room_ids import fit_room_id
 from ._legacy_status import FailureRecordsView, RequestStatusView, drive_to
 from ._rooms import FakeRooms, Orphanage
 from ._types import (
@@ -215,6 +221,7 @@ class KVManager:
         return self.orphans.close_all() + self.fake_rooms.orphans.close_all()
 
     def _open_locked(self, room: RoomId) -> TransferHandle:
+        room = fit_room_id(room)
         manager = self.transfer_manager
         try:
             handle = manager.open(room)
@@ -229,7 +236,7 @@ class KVManager:
 
     def handle(self, bootstrap_room: RoomId) -> TransferHandle:
         """The open room's kvfsm handle, for backend code that emits events directly."""
-        return self.transfer_manager.get(bootstrap_room)
+        return self.transfer_manager.get(fit_room_id(bootstrap_room))
 
     def close_room(self, bootstrap_room: RoomId) -> KVPoll | None:
         """Close the room (aborting it if still in flight); its final state, or None if not open."""
@@ -261,7 +268,7 @@ class KVManager:
 
     def _open_handle(self, room: RoomId) -> TransferHandle | None:
         try:
-            return self.transfer_manager.get(room)
+            return self.transfer_manager.get(fit_room_id(room))
         except UnknownRoom:
             return None
 
@@ -273,7 +280,7 @@ class KVManager:
     def check_status(self, bootstrap_room: RoomId) -> KVPoll:
         """The room's status; `kvfsm.UnknownRoom` (a `KeyError`) naming why if not open."""
         self.collect_orphans()
-        return self.transfer_manager.status(bootstrap_room)
+        return self.transfer_manager.status(fit_room_id(bootstrap_room))
 
     def update_status(self, bootstrap_room: RoomId, status: KVPoll | int) -> bool:
         """Apply an integer status write as lifecycle events; True if the room is now there.
@@ -285,7 +292,7 @@ class KVManager:
         `fail` event carrying the message of the last `record_failure`.
         """
         target = KVPoll(status)
-        room = bootstrap_room
+        room = fit_room_id(bootstrap_room)
         self.collect_orphans()
         with self._lock:
             manager = self.transfer_manager
@@ -333,7 +340,7 @@ class KVManager:
                     "kvfsm record_failure(%r) ignored: the room is not open or already terminal", bootstrap_room
                 )
                 return
-            self._pending_failures[bootstrap_room] = reason
+            self._pending_failures[fit_room_id(bootstrap_room)] = reason
 
     def failure_message(self, bootstrap_room: RoomId) -> str | None:
         """The failed room's reason as text (or the pending `record_failure` message)."""
@@ -343,7 +350,7 @@ class KVManager:
                 return None
             if handle.reason is not None:
                 return handle.reason.message or str(handle.reason)
-            pending = self._pending_failures.get(bootstrap_room)
+            pending = self._pending_failures.get(fit_room_id(bootstrap_room))
             return pending.message if pending is not None else None
 
     # -- deferred release (decode) ---------------------------------------------

@@ -31,6 +31,7 @@ from ..._lifecycle import Timeouts
 from ..._manager import TransferHandle, TransferManager
 from ..._observe import StateChange
 from ..._states import KVPoll, Role
+from .._room_ids import room_text
 
 __all__ = ["Orphanage", "FakeRooms", "fake_rooms_for"]
 
@@ -109,7 +110,8 @@ class FakeRooms:
                 if self._reaper:
                     manager.start_reaper()
                 self._managers[key] = manager
-            room_id = f"fake:{bootstrap_room}:{next(self._ids)}"
+            # Named after SGLang's room (shortened: a client's int may have thousands of digits).
+            room_id = f"fake:{room_text(bootstrap_room)}:{next(self._ids)}"
         return manager.open(room_id)
 
     def managers(self) -> list[TransferManager]:

@@ -13,7 +13,9 @@ NixlConnector forward kvfsm's unchanged:
 
 The room both sides open for one transfer is `room_id(engine, request)`:
 the prefill's engine id and request id, so two prefill engines reusing a
-request id never share a room. Parsing is strict and returns the problem
+request id never share a room. Both come from clients, of any length, so
+the pair is mapped to a room id that fits (`kvfsm.compat._room_ids`: itself
+when it fits, else its SHA-256), the same on both sides. Parsing is strict and returns the problem
 as text (vLLM's scheduler must not crash on a client's malformed params;
 the request then fails its load with that message instead).
 """
@@ -25,12 +27,14 @@ from typing import Any
 
 import attrs
 
+from .._room_ids import fit_text
+
 __all__ = ["RemoteSource", "room_id", "parse_source", "prefill_params", "flat_block_ids"]
 
 
 def room_id(engine_id: str, request_id: str) -> str:
-    """The room of one transfer: the prefill engine's id and its request id."""
-    return f"{engine_id}/{request_id}"
+    """The room of one transfer: the prefill engine's id and its request id (mapped when too long)."""
+    return fit_text(f"{engine_id}/{request_id}")
 
 
 @attrs.frozen(slots=True)

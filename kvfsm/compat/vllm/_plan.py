@@ -11,7 +11,10 @@ scheduler asserts that every notice names a request it still holds (a late
 
 Here each such request is one room of a `TransferManager`, keyed by the
 vLLM request id, one manager per side (the prefill's held requests, the
-decode's loads):
+decode's loads). Request ids come from vLLM's clients, of any length: an
+id that is no room id is mapped to one (`kvfsm.compat._room_ids`), and
+should two live ids map to one room each still gets a room of its own
+(these rooms never leave the process), so no hook raises on an id:
 
     Bootstrapping     held or parked; the worker has not been told yet
     WaitingForInput   `build_connector_meta` handed it to the workers
@@ -43,7 +46,8 @@ import attrs
 from ..._errors import DuplicateRoom, UnknownRoom
 from ..._lifecycle import Timeouts
 from ..._manager import TransferHandle, TransferManager
-from ..._states import FailureKind, FailureReason, KVPoll, Role
+from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
+from .._room_ids import fit_text
 from ._config import ConnectorConfig
 from ._params import RemoteSource, parse_source, prefill_params, room_id
 
@@ -136,6 +140,30 @@ class SchedulerHalf:
         self._plan = StepPlan()
         # Rooms planned this step: handed to the workers by the next `build`.
         self._handoff: list[TransferHandle] = []
+        # The request id each open scheduler room belongs to (an id mapped onto a taken room gets another).
+        self._owners: dict[RoomId, str] = {}
+
+    def _open(self, manager: TransferManager, request_id: str) -> TransferHandle | None:
+        """A room for `request_id`; None when the request has one open already (vLLM called twice)."""
+        room: RoomId = fit_text(request_id)
+        salt = 0
+        while True:
+            try:
+                handle = manager.open(room)
+            except DuplicateRoom:
+                if self._owners.get(room) == request_id:
+                    return None
+                # Another live request's id maps here too: these rooms stay in this process, so this
+                # one simply takes a room of its own.
+                salt += 1
+                room = fit_text(f"~{salt}~{request_id}")
+                continue
+            self._owners[room] = request_id
+            return handle
+
+    def _close(self, manager: TransferManager, handle: TransferHandle) -> None:
+        self._owners.pop(handle.room, None)
+        manager.close(handle.room)
 
     # -- decode: matching and allocation ---------------------------------------------------
 
@@ -200,9 +228,8 @@ class SchedulerHalf:
         *,
         problem: str | None,
     ) -> None:
-        try:
-            handle = self.decode.open(request_id)
-        except DuplicateRoom:
+        handle = self._open(self.decode, request_id)
+        if handle is None:
             logger.error("kvfsm: request %s is already loading; vLLM parked it twice", request_id)
             return
         self.stats.loads += 1
@@ -252,9 +279,8 @@ class SchedulerHalf:
         )
         if not block_ids:
             return False, params
-        try:
-            handle = self.prefill.open(request_id)
-        except DuplicateRoom:
+        handle = self._open(self.prefill, request_id)
+        if handle is None:
             logger.error("kvfsm: request %s finished twice while its blocks are held; not holding again", request_id)
             return False, None
         self.stats.holds += 1
@@ -310,7 +336,7 @@ class SchedulerHalf:
             else:
                 handle.transfer_started()
                 handle.transfer_done()
-            self.decode.close(request_id)
+            self._close(self.decode, handle)
             self._sources.discard(load.room)
             recving.add(request_id)
         sending: set[str] = set()
@@ -322,7 +348,7 @@ class SchedulerHalf:
             del self._held[request_id]
             held.transfer_started()
             held.transfer_done()
-            self.prefill.close(request_id)
+            self._close(self.prefill, held)
             sending.add(request_id)
         return sending, recving
 
@@ -330,7 +356,7 @@ class SchedulerHalf:
         self.stats.absorbed_notices += 1
         why = "the workers were not told of it yet: a notice from before its hand-off"
         try:
-            manager.get(request_id)
+            manager.get(fit_text(request_id))
         except UnknownRoom as exc:  # says whether it was closed or never opened
             why = exc.detail
         logger.warning("kvfsm: %s for request %s dropped: %s", kind, request_id, why)

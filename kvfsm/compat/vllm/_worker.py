@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 
-from ..._errors import ConfigError, DuplicateRoom
+from ..._errors import ConfigError, DuplicateRoom, KVFSMError
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role
 from ...backends import get_backend
@@ -221,13 +221,33 @@ class WorkerHalf:
     # -- this step's plan (start_load_kv) -------------------------------------------------------
 
     def start(self, plan: StepPlan) -> None:
-        """Open and bootstrap this step's rooms; give up the loads vLLM aborted."""
+        """Open and bootstrap this step's rooms; give up the loads vLLM aborted.
+
+        Never raises on what a request carries (its ids, its params): such a
+        request fails alone, reported like any failed load or send, and the
+        hook goes on with the others (vLLM stops its engine core on an
+        exception from a connector hook).
+        """
         for recv in plan.recv:
-            self._start_recv(recv)
+            try:
+                self._start_recv(recv)
+            except KVFSMError as exc:
+                self._refuse_load(recv, f"could not start its load: {exc}")
         for send in plan.send:
-            self._start_send(send)
+            try:
+                self._start_send(send)
+            except KVFSMError as exc:
+                logger.error("kvfsm: request %s is not held: %s", send.request_id, exc)
+                self._refused_sends.add(send.request_id)
         for abort in plan.abort:
             self._abort(abort)
+
+    def _refuse_load(self, spec: RecvSpec, why: str) -> None:
+        if spec.release_only:
+            return
+        logger.error("kvfsm: request %s fails its load: %s", spec.request_id, why)
+        self._refused_loads.add(spec.request_id)
+        self._load_errors.update(spec.blocks)
 
     def _start_send(self, spec: SendSpec) -> None:
         if self.prefill is None or self.sender is None:
@@ -242,9 +262,12 @@ class WorkerHalf:
         try:
             handle = self.prefill.open(spec.room)
         except DuplicateRoom:
+            # Another live request maps to this room (the same engine and request id again, or two
+            # long ids with one digest): this one is refused, reported at once so vLLM frees its blocks.
             logger.error(
                 "kvfsm: room %s is already held on this prefill; request %s not held", spec.room, spec.request_id
             )
+            self._refused_sends.add(spec.request_id)
             return
         self._sending[spec.request_id] = _Send(handle, spec.blocks)
         self._bootstrap(self.sender, handle, self.sender.address)
