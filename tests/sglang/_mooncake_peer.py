@@ -361,6 +361,15 @@ class _DecodePeer(_Peer):
     def held(self) -> list[str]:
         return [entry[0].req.rid for entry in self.world.transfer._deferred_releases]
 
+    def quarantined(self) -> list[object]:
+        """The rooms whose pages kvfsm quarantined (no proof their writes stopped by the drain deadline)."""
+        return [handle.room for handle in self.world.manager.transfer_manager.quarantined()]
+
+    def release_quarantined(self, room: int, why: str) -> int:
+        """An operator's override: free a quarantined room's pages (kvfsm counts and logs it)."""
+        released: int = self.world.manager.transfer_manager.release_quarantined(room, why)
+        return released
+
     def first_token(self, rid: str) -> int:
         return int(self.world.reqs[rid].output_ids[0])
 
