@@ -297,3 +297,32 @@ def test_a_decode_rank_out_of_its_slot_is_refused_by_the_prefill() -> None:
         receiver.clear()
     finally:
         deployment.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ({"pp_size": 2}, "does not support a pipeline-parallel prefill (pp_size=2)"),
+        ({"attn_cp_size": 2}, "does not support a context-parallel prefill (cp_size=2)"),
+        ({"attn_tp_size": 3, "total_kv_heads": 4}, "4 KV heads do not divide over 3 ranks"),
+        ({"attn_tp_size": 2, "total_kv_heads": 8}, "the prefill has 8 KV heads, the decode 4"),
+        ({"attn_tp_size": 2, "total_kv_heads": None}, "did not say how many KV heads it has"),
+    ],
+)
+def test_what_stays_unsupported_is_refused_at_init_with_its_name(layout: dict[str, Any], expected: str) -> None:
+    deployment = Deployment(1, 1)
+    try:
+        manager = deployment.decodes[0]
+        assert manager.try_ensure_parallel_info(deployment.addr)
+        info = manager.prefill_info_table[deployment.addr]
+        for name, value in layout.items():
+            setattr(info, name, value)  # what the prefill server registered
+        receiver = sglang.MooncakeKVReceiver(manager, deployment.addr, 95)
+        receiver.init(0)
+        assert receiver.poll() is KVPoll.Failed
+        reason = receiver.handle.reason
+        assert reason is not None and reason.kind is FailureKind.BOOTSTRAP_ERROR
+        assert expected in reason.message, reason.message
+        receiver.clear()
+    finally:
+        deployment.close()
