@@ -324,9 +324,6 @@ class Server:
                 )
             time.sleep(0.5)
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def kill(self) -> None:
         """SIGKILL the whole process group at once: a crash, nothing gets to say goodbye."""
         if self.process is None:
@@ -505,12 +502,6 @@ class PDAnswer:
         ids: list[int] = self.decode["output_ids"]
         return ids
 
-    def finish(self, side: str) -> dict[str, Any]:
-        answer = self.prefill if side == "prefill" else self.decode
-        meta = answer.get("meta_info") or {}
-        finish: dict[str, Any] = meta.get("finish_reason") or {}
-        return finish
-
 
 _rooms = iter(range(10_000 + os.getpid() % 1000 * 100_000, 1 << 62))
 
@@ -560,21 +551,6 @@ class StreamingClient:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self.connection.close()
-
-    def read_all(self) -> list[dict[str, Any]]:
-        """Read the stream to its end (`data: [DONE]`); the JSON events it carried."""
-        response = self.connection.getresponse()
-        events = []
-        for raw in response:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                break
-            events.append(json.loads(data))
-        self.connection.close()
-        return events
 
 
 class Router:
