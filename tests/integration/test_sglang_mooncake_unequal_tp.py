@@ -41,6 +41,14 @@ PAGE_SIZE = 2
 ROWS = 32  # token rows per buffer: 16 pages
 
 
+@pytest.fixture(autouse=True)
+def patient_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to six managers share this process and its GIL: a 10 s heartbeat window, not kvfsm's 3 s, so a
+    loaded machine does not lose a peer that is alive (seen once: 'no message for 6.09s (window 3s)')."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "1")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "10")
+
+
 def value(buffer: int, row: int, head: int, dim: int) -> float:
     """What the prefill computed for (KV buffer, token row, global head, dimension): exact in float32."""
     return buffer * 100000.0 + row * 100.0 + head * 10.0 + dim
@@ -313,7 +321,7 @@ def test_what_stays_unsupported_is_refused_at_init_with_its_name(layout: dict[st
     deployment = Deployment(1, 1)
     try:
         manager = deployment.decodes[0]
-        assert manager.try_ensure_parallel_info(deployment.addr)
+        wait_until(lambda: manager.try_ensure_parallel_info(deployment.addr), "the prefill's layout known")
         info = manager.prefill_info_table[deployment.addr]
         for name, value in layout.items():
             setattr(info, name, value)  # what the prefill server registered

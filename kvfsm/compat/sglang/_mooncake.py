@@ -45,8 +45,10 @@ ranks that exchange KV:
 
 * prefill TP > decode TP: a decode rank pulls from several prefill ranks.
   Its receiver keeps one room per prefill rank (the request's own, plus
-  `sub_room(room, k)`), each claiming the prefill's room `room`; only the
-  first carries the metadata slot.
+  `sub_room(room, k)`), each claiming the prefill's room `room` with the
+  request's pages and metadata slot: every prefill rank writes its heads,
+  and the same metadata bytes, as each of SGLang's prefill ranks sends its
+  aux.
 * prefill TP < decode TP: several decode ranks pull from one prefill rank.
   Decode rank slot k > 0 claims the prefill's room `sub_room(room, k)`; the
   prefill's sender learns from the first claim how many decode ranks feed
@@ -80,12 +82,15 @@ from ..._manager import TransferHandle, TransferManager
 from ..._observe import StateChange
 from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
 from ...backends._errors import BackendError
-from ...backends._sessions import Session
+from ...backends._remote_endpoint import RemoteEndpoint
+from ...backends._remote_receiver import DecodeEndpoint
+from ...backends._remote_sender import PrefillEndpoint
+from ...backends._remote_writer import Lane
 from ...backends.memory import KVPools, MemoryRegion
 from ...backends.mooncake import MooncakeBackend
-from ...backends.remote import EngineAdapter, EngineJob, RemoteConfig, Write
+from ...backends.remote import RemoteConfig, Write
 from ._bootstrap import LAYOUT_FIELDS, KVBootstrapServer, fetch_prefill_ranks, register_prefill_rank
-from ._endpoint import KVReceiver, KVSender, RequestView
+from ._endpoint import KVReceiver, KVSender, RequestView, _aux_slot
 from ._heads import SESSION_FIELD, Pairing, TPLayout, head_slices, pairing, sliced_writes, slicing_problem, sub_room
 from ._manager import KVManager
 from ._types import (
@@ -183,53 +188,79 @@ def _layout_of(kv_args: Any, attn_tp_size: int, is_mla: bool) -> TPLayout:
     return TPLayout(attn_tp_size, engine_rank % attn_tp_size, page_size, total, local)
 
 
-class PeerTarget:
-    """What the layout engine's `add_peer` returns: the engine's own target and the peer's `TPLayout`."""
-
-    __slots__ = ("inner", "layout")
-
-    def __init__(self, inner: Any, layout: TPLayout | None) -> None:
-        self.inner, self.layout = inner, layout
-
-    def __repr__(self) -> str:
-        return f"<PeerTarget {self.inner!r} {self.layout}>"
+def _layout_fields(endpoint: RemoteEndpoint, fields: dict[str, Any]) -> dict[str, Any]:
+    """An endpoint's engine session fields, with its rank's `TPLayout` added (what its peers pair by)."""
+    host = endpoint.host
+    assert isinstance(host, SGLangMooncakeBackend)
+    return {**fields, SESSION_FIELD: host.tp_layout.fields()}
 
 
-class LayoutEngine(EngineAdapter):
-    """An engine that also carries this rank's `TPLayout` in its session, and each peer's in its target."""
+def _layout_problem(endpoint: RemoteEndpoint, pools: KVPools, session: dict[str, Any]) -> str | None:
+    """The handshake's check between ranks of unequal attention TP (None: `pools` can exchange KV with ours)."""
+    host = endpoint.host
+    assert isinstance(host, SGLangMooncakeBackend) and endpoint.pools is not None
+    peer = TPLayout.from_fields(session.get(SESSION_FIELD))
+    mine = host.tp_layout
+    if peer is None or peer.attn_tp_size == mine.attn_tp_size:
+        return None
+    if endpoint.role is Role.SENDER:
+        return slicing_problem(mine, peer, endpoint.pools, pools)
+    return slicing_problem(peer, mine, pools, endpoint.pools)
 
-    def __init__(self, inner: EngineAdapter, layout: TPLayout) -> None:
-        self.inner = inner
-        self.layout = layout
-        self.name = inner.name
-        self.max_writes_in_flight = inner.max_writes_in_flight
-        self.receiver_progress = inner.receiver_progress
 
-    def register(self, regions: list[MemoryRegion]) -> None:
-        self.inner.register(regions)
+class SGLangPrefillEndpoint(PrefillEndpoint):
+    """The prefill half: sends its rank's `TPLayout`, and writes head slices to a decode of another TP size."""
 
-    def session(self) -> tuple[dict[str, Any], bytes | None]:
-        fields, blob = self.inner.session()
-        return {**fields, SESSION_FIELD: self.layout.fields()}, blob
+    def _session_fields(self) -> tuple[dict[str, Any], bytes | None]:
+        fields, blob = super()._session_fields()
+        return _layout_fields(self, fields), blob
 
-    def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
-        return PeerTarget(self.inner.add_peer(session, blob), TPLayout.from_fields(session.get(SESSION_FIELD)))
+    def _layout_mismatch(self, pools: KVPools, session: dict[str, Any]) -> str | None:
+        peer = TPLayout.from_fields(session.get(SESSION_FIELD))
+        if peer is None or self._mine.attn_tp_size == peer.attn_tp_size:
+            return super()._layout_mismatch(pools, session)
+        return _layout_problem(self, pools, session)
 
-    def remove_peer(self, target: Any) -> None:
-        self.inner.remove_peer(target.inner if isinstance(target, PeerTarget) else target)
+    def _kv_writes(self, lane: Lane, src: list[int], dst: list[int]) -> list[Write]:
+        peer = TPLayout.from_fields(lane.peer_session.get(SESSION_FIELD))
+        mine = self._mine
+        if peer is None or peer.attn_tp_size == mine.attn_tp_size:
+            return super()._kv_writes(lane, src, dst)
+        pools, theirs = self.pools, lane.session.pools
+        assert pools is not None and theirs is not None
+        slices = head_slices(mine, peer, pools.kv, theirs.kv)
+        return sliced_writes(pools.kv, theirs.kv, slices, mine.page_size, src, dst)
 
-    def submit(self, target: Any, writes: list[Write]) -> EngineJob:
-        return self.inner.submit(target.inner if isinstance(target, PeerTarget) else target, writes)
+    @property
+    def _mine(self) -> TPLayout:
+        host = self.host
+        assert isinstance(host, SGLangMooncakeBackend)
+        return host.tp_layout
 
-    def progress(self) -> None:
-        self.inner.progress()
 
-    def close(self) -> None:
-        self.inner.close()
+class SGLangDecodeEndpoint(DecodeEndpoint):
+    """The decode half: sends its rank's `TPLayout`, checks a prefill's of another TP size, names wire rooms."""
+
+    def _session_fields(self) -> tuple[dict[str, Any], bytes | None]:
+        fields, blob = super()._session_fields()
+        return _layout_fields(self, fields), blob
+
+    def _layout_mismatch(self, pools: KVPools, session: dict[str, Any]) -> str | None:
+        peer = TPLayout.from_fields(session.get(SESSION_FIELD))
+        host = self.host
+        assert isinstance(host, SGLangMooncakeBackend)
+        if peer is None or host.tp_layout.attn_tp_size == peer.attn_tp_size:
+            return super()._layout_mismatch(pools, session)
+        return _layout_problem(self, pools, session)
+
+    def _wire_room(self, handle: TransferHandle) -> Any:
+        host = self.host
+        assert isinstance(host, SGLangMooncakeBackend)
+        return host.wire_rooms.get((handle.room, handle.generation), handle.room)
 
 
 class SGLangMooncakeBackend(MooncakeBackend):
-    """`MooncakeBackend` that pairs ranks of different attention TP sizes (head slices) and names wire rooms.
+    """`MooncakeBackend` whose halves pair ranks of different attention TP sizes (head slices) and name wire rooms.
 
     Equal TP sizes (or a peer that sent no layout) pair page for page, as
     `MooncakeBackend` does. `wire_rooms` maps a decode room (room id,
@@ -237,38 +268,21 @@ class SGLangMooncakeBackend(MooncakeBackend):
     request split over several ranks (`_heads.sub_room`).
     """
 
+    decode_endpoint = SGLangDecodeEndpoint
+    prefill_endpoint = SGLangPrefillEndpoint
+
     def __init__(self, manager: TransferManager, config: RemoteConfig, layout: TPLayout, **engine: Any) -> None:
         self.tp_layout = layout
         self.wire_rooms: dict[tuple[RoomId, int], RoomId] = {}
         super().__init__(manager, config, **engine)
 
-    def _make_engine(self) -> EngineAdapter:
-        return LayoutEngine(super()._make_engine(), self.tp_layout)
-
-    def _layouts(self, peer: TPLayout) -> tuple[TPLayout, TPLayout]:
-        """(prefill rank's layout, decode rank's layout) of a session with `peer`."""
-        return (self.tp_layout, peer) if self.role is Role.SENDER else (peer, self.tp_layout)
-
-    def _layout_mismatch(self, pools: KVPools, session: dict[str, Any]) -> str | None:
-        peer = TPLayout.from_fields(session.get(SESSION_FIELD))
-        if peer is None or peer.attn_tp_size == self.tp_layout.attn_tp_size:
-            return super()._layout_mismatch(pools, session)
-        assert self.pools is not None
-        src, dst = self._layouts(peer)
-        src_pools, dst_pools = (self.pools, pools) if self.role is Role.SENDER else (pools, self.pools)
-        return slicing_problem(src, dst, src_pools, dst_pools)
-
-    def _kv_writes(self, peer: Session, src: list[int], dst: list[int]) -> list[Write]:
-        target = peer.target
-        layout = target.layout if isinstance(target, PeerTarget) else None
-        if layout is None or layout.attn_tp_size == self.tp_layout.attn_tp_size:
-            return super()._kv_writes(peer, src, dst)
-        assert self.pools is not None and peer.pools is not None
-        slices = head_slices(self.tp_layout, layout, self.pools.kv, peer.pools.kv)
-        return sliced_writes(self.pools.kv, peer.pools.kv, slices, self.tp_layout.page_size, src, dst)
-
-    def _wire_room(self, handle: TransferHandle) -> Any:
-        return self.wire_rooms.get((handle.room, handle.generation), handle.room)
+    def claim_peer(self, handle: TransferHandle) -> TPLayout | None:
+        """The layout of the decode rank whose claim bound this prefill room (None: none yet, or it sent none)."""
+        endpoint = self.endpoint
+        if not isinstance(endpoint, PrefillEndpoint):
+            return None
+        fields = endpoint.claim_peer(handle)
+        return None if fields is None else TPLayout.from_fields(fields.get(SESSION_FIELD))
 
     def _forget(self, handle: TransferHandle) -> None:
         super()._forget(handle)
@@ -640,8 +654,8 @@ class MooncakeKVSender(KVSender):
         if not isinstance(backend, SGLangMooncakeBackend):
             self._fanned = True
             return
-        target = backend.claim_peer(self.handle)
-        peer = target.layout if isinstance(target, PeerTarget) else None
+        # Past Bootstrapping, the room's claim is bound (binding is what bootstrapped it): its decode is known.
+        peer = backend.claim_peer(self.handle)
         self._fanned = True
         mine = manager.tp_layout
         if peer is None or peer.attn_tp_size <= mine.attn_tp_size:
@@ -700,9 +714,9 @@ class MooncakeKVReceiver(KVReceiver):
     """SGLang's `MooncakeKVReceiver`: a `KVReceiver` whose pages `MooncakeBackend` receives.
 
     With a prefill of another attention TP size it pairs as `_heads.pairing`
-    says: from several prefill ranks (a room each; the request's own room
-    carries the metadata slot), or as slot k of the decode ranks one
-    prefill rank feeds (its claim names that prefill's room `sub_room(room, k)`).
+    says: from several prefill ranks (a room each, each with the request's
+    pages and metadata slot), or as slot k of the decode ranks one prefill
+    rank feeds (its claim names that prefill's room `sub_room(room, k)`).
     """
 
     _extra: _ExtraRooms
@@ -768,11 +782,12 @@ class MooncakeKVReceiver(KVReceiver):
             return
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination, **kwargs)
         backend = self.kv_mgr.backend
+        # Each prefill rank writes the metadata slot too (the same bytes on every rank, as in SGLang):
+        # a sender given a slot that its receiver did not post fails its room (the commit marker).
+        slot = _aux_slot(backend, aux_index)
         for handle in self._extra.handles:
             if not handle.is_terminal:
-                _through(
-                    handle, backend.expect, kv_indices, None
-                )  # the metadata slot comes with the request's own room
+                _through(handle, backend.expect, kv_indices, slot)
 
     def on_abort(self) -> None:
         self._extra.abort(ABORT_MESSAGE)
