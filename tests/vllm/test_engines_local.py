@@ -163,8 +163,8 @@ def test_unusable_params_make_the_decode_compute_locally(engines: Callable[..., 
         "remote_request_id": "p1",
         "remote_block_ids": [[1, 2]],
         "remote_host": "h",
-        "remote_port": 1,
-        "tp_size": 8,
+        "remote_port": 0,
+        "tp_size": 1,
     }
     tokens = list(range(20))
     request = d.add(make_request("d1", tokens, max_tokens=2, params=params))

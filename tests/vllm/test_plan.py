@@ -84,11 +84,11 @@ def test_a_decode_loads_the_prompt_beyond_its_local_hits() -> None:
     assert (recv.request_id, recv.room, recv.blocks, recv.problem, recv.release_only) == (
         "d1",
         "P/p1",
-        (7, 8),
+        ((7, 8),),
         None,
         False,
     )
-    assert recv.source is not None and recv.source.block_ids == (0, 1, 2)
+    assert recv.source is not None and recv.source.block_ids == ((0, 1, 2),)
     assert plan.decode.status("d1") is KVPoll.WaitingForInput
     assert plan.notices(None, {"d1"}) == (set(), {"d1"})
     assert plan.decode.stats.final_states[KVPoll.Success] == 1

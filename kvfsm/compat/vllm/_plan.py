@@ -27,6 +27,15 @@ and logged, never raised. The decode's abort goes through the machine
 (`handle.abort`), so a notice arriving after it is a late event that cannot
 turn the room back into a success.
 
+Block ids are kept per KV cache group (`_params.Blocks`). A hybrid KV
+cache's groups are clipped to what a transfer moves, as vLLM's
+NixlConnector clips them (`GroupShape`): a sliding-window group keeps its
+in-window tail, a Mamba group its one state-bearing block. A request from
+a prefill of another tensor-parallel size that this engine's workers
+cannot slice or merge (`unequal_tp`, given by the facade) is computed
+locally, and the prefill is told at once to free its blocks (counted in
+`stats.refused_tp`): its blocks are never left to a deadline.
+
 Nothing here waits: the deadlines that bound how long blocks stay held run
 on the workers' rooms (`_worker.py`), where the bytes move. This module
 imports neither vLLM nor torch; `_connector.py` feeds it plain values.
@@ -44,9 +53,9 @@ from ..._errors import DuplicateRoom, UnknownRoom
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
 from ._config import ConnectorConfig
-from ._params import RemoteSource, parse_source, prefill_params, room_id
+from ._params import Blocks, RemoteSource, as_groups, parse_source, prefill_params, room_id
 
-__all__ = ["AbortSpec", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
+__all__ = ["AbortSpec", "GroupShape", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
 
 logger = logging.getLogger("kvfsm.compat.vllm")
 
@@ -55,8 +64,41 @@ _NO_DEADLINES = Timeouts(bootstrap=None, waiting=None, transferring=None, drain=
 
 
 @attrs.frozen(slots=True)
+class GroupShape:
+    """Which of a KV cache group's blocks a transfer moves.
+
+    `kind` "full": every block; "window": a sliding-window group, its last
+    `keep` blocks (the window, plus one for a window that is not aligned
+    with the blocks); "state": a Mamba group, its one state-bearing block
+    (`keep`: the speculative scratch blocks after it, dropped).
+    """
+
+    kind: str = "full"
+    keep: int = 0
+
+    def clip(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        if not blocks:
+            return blocks
+        if self.kind == "window" and self.keep:
+            return blocks[-self.keep :]
+        if self.kind == "state":
+            scratch = min(self.keep, len(blocks) - 1)
+            return (blocks[: len(blocks) - scratch])[-1:]
+        return blocks
+
+
+FULL = (GroupShape(),)
+
+
+def _clip(shapes: tuple[GroupShape, ...], blocks: Blocks) -> Blocks:
+    if len(blocks) != len(shapes):
+        return blocks
+    return tuple(shape.clip(group) for shape, group in zip(shapes, blocks, strict=True))
+
+
+@attrs.frozen(slots=True)
 class RecvSpec:
-    """Decode worker: load `blocks` from `source` (or only tell it to free, `release_only`).
+    """Decode worker: load `blocks` (per KV cache group) from `source`, or only tell it to free (`release_only`).
 
     `problem` set: the request cannot load (bad params); the worker fails it at once.
     """
@@ -64,18 +106,18 @@ class RecvSpec:
     request_id: str
     room: str
     source: RemoteSource | None
-    blocks: tuple[int, ...]
+    blocks: Blocks = attrs.field(converter=as_groups)
     problem: str | None = None
     release_only: bool = False
 
 
 @attrs.frozen(slots=True)
 class SendSpec:
-    """Prefill worker: hold `blocks` for the decode that will claim `room`."""
+    """Prefill worker: hold `blocks` (per KV cache group) for the decode that will claim `room`."""
 
     request_id: str
     room: str
-    blocks: tuple[int, ...]
+    blocks: Blocks = attrs.field(converter=as_groups)
 
 
 @attrs.frozen(slots=True)
@@ -109,6 +151,8 @@ class SchedulerStats:
     deferred_lookups: int = 0
     invalid_params: int = 0
     absorbed_notices: int = 0
+    #: Loads from a prefill of another TP size these workers cannot map: computed locally, prefill told.
+    refused_tp: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -121,10 +165,29 @@ class _Load:
 class SchedulerHalf:
     """The scheduler side of the connector, fed plain values by the vLLM facade."""
 
-    def __init__(self, config: ConnectorConfig, *, engine_id: str, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        tp_size: int,
+        port: int | None = None,
+        groups: tuple[GroupShape, ...] = FULL,
+        unequal_tp: str | None = "this connector maps prefill and decode ranks one to one",
+        prefill_backoff: int = 0,
+    ) -> None:
+        """`port`: what the prefill's params name (this DP rank's first port; default `config.port`).
+        `groups`: one `GroupShape` per KV cache group. `unequal_tp`: why a prefill of
+        another TP size cannot be loaded from, or None when the workers map heads.
+        `prefill_backoff`: trailing prompt tokens a decode recomputes itself (Mamba's
+        last state, as NIXL's `_prefill_backoff`), so they are not loaded."""
         self.config = config
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.port = config.port if port is None else port
+        self.groups = groups
+        self.unequal_tp = unequal_tp
+        self.prefill_backoff = prefill_backoff
         self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
         self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
         self.stats = SchedulerStats()
@@ -149,9 +212,14 @@ class SchedulerHalf:
         """
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        source = parse_source(params, tp_size=self.tp_size)
-        count = num_prompt_tokens - num_computed_tokens
-        if isinstance(source, str) or count <= 0:
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, str) or self._tp_problem(source) is not None:
+            return 0, False
+        loadable = num_prompt_tokens
+        if self.prefill_backoff and num_prompt_tokens > self.prefill_backoff:
+            loadable -= self.prefill_backoff
+        count = loadable - num_computed_tokens
+        if count <= 0:
             return 0, False
         limit = self.config.max_inflight_loads
         if source.room in self._sources or (limit is not None and len(self._loads) >= limit):
@@ -159,28 +227,45 @@ class SchedulerHalf:
             return None, False
         return count, True
 
+    def _tp_problem(self, source: RemoteSource) -> str | None:
+        if source.tp_size == self.tp_size or self.unequal_tp is None:
+            return None
+        return (
+            f"the prefill runs tensor parallel size {source.tp_size} and this decode {self.tp_size}: {self.unequal_tp}"
+        )
+
     def after_alloc(
         self,
         request_id: str,
         params: MutableMapping[str, Any] | None,
-        unhashed_blocks: Sequence[int],
+        unhashed_blocks: Sequence[int] | Sequence[Sequence[int]],
         num_external_tokens: int,
     ) -> None:
         """`update_state_after_alloc`: park the load (or tell the prefill its blocks are not needed).
 
-        Only the first call for a request acts (vLLM may call twice); it
-        flips `do_remote_prefill` off in the request's params, as NIXL does.
+        `unhashed_blocks`: the blocks vLLM allocated for the load, per KV
+        cache group (or one flat list). Only the first call for a request
+        acts (vLLM may call twice); it flips `do_remote_prefill` off in the
+        request's params, as NIXL does.
         """
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
-        source = parse_source(params, tp_size=self.tp_size)
+        blocks = _clip(self.groups, as_groups(unhashed_blocks))
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, RemoteSource) and (problem := self._tp_problem(source)) is not None:
+            self.stats.refused_tp += 1
+            logger.warning(
+                "kvfsm: request %s: %s; computing it locally, the prefill frees its blocks now", request_id, problem
+            )
+            self._release(request_id, source)
+            return
         if isinstance(source, str):
             self.stats.invalid_params += 1
             logger.warning("kvfsm: request %s: unusable kv_transfer_params, not loading: %s", request_id, source)
             if num_external_tokens > 0:
                 # vLLM parked it for a load anyway: the load must still end (failed), or it waits forever.
-                self._park(request_id, f"!{request_id}", None, unhashed_blocks, problem=source)
+                self._park(request_id, f"!{request_id}", None, blocks, problem=source)
             return
         if num_external_tokens <= 0:
             self._release(request_id, source)
@@ -188,14 +273,14 @@ class SchedulerHalf:
         problem = None
         if source.room in self._sources:
             problem = f"room {source.room!r} is already being loaded by another request of this decode"
-        self._park(request_id, source.room, source, unhashed_blocks, problem=problem)
+        self._park(request_id, source.room, source, blocks, problem=problem)
 
     def _park(
         self,
         request_id: str,
         room: str,
         source: RemoteSource | None,
-        blocks: Sequence[int],
+        blocks: Blocks,
         *,
         problem: str | None,
     ) -> None:
@@ -205,14 +290,14 @@ class SchedulerHalf:
             logger.error("kvfsm: request %s is already loading; vLLM parked it twice", request_id)
             return
         self.stats.loads += 1
-        self._loads[request_id] = _Load(handle, room, frozenset(blocks))
+        self._loads[request_id] = _Load(handle, room, frozenset(b for group in blocks for b in group))
         self._handoff.append(handle)
         if problem is None:
             self._sources.add(room)
-        self._plan.recv.append(RecvSpec(request_id, room, source, tuple(blocks), problem=problem))
+        self._plan.recv.append(RecvSpec(request_id, room, source, blocks, problem=problem))
 
     def _release(self, request_id: str, source: RemoteSource) -> None:
-        if source.block_ids:
+        if any(source.block_ids):
             self.stats.releases += 1
             self._plan.recv.append(RecvSpec(request_id, source.room, source, (), release_only=True))
 
@@ -224,18 +309,18 @@ class SchedulerHalf:
         params: MutableMapping[str, Any] | None,
         *,
         finished_ok: bool,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
     ) -> tuple[bool, dict[str, Any] | None]:
-        """`request_finished`: (hold the blocks?, params for the decode)."""
+        """`request_finished`: (hold the blocks?, params for the decode). `block_ids` per group, or flat."""
         if not params:
             return False, None
         if params.get("do_remote_decode"):
-            return self._prefill_finished(request_id, finished_ok, block_ids)
+            return self._prefill_finished(request_id, finished_ok, _clip(self.groups, as_groups(block_ids)))
         self._decode_finished(request_id, params)
         return False, None
 
     def _prefill_finished(
-        self, request_id: str, finished_ok: bool, block_ids: Sequence[int]
+        self, request_id: str, finished_ok: bool, block_ids: Blocks
     ) -> tuple[bool, dict[str, Any] | None]:
         if not finished_ok:
             # Aborted or failed: no decode will come for it, vLLM frees the blocks now.
@@ -245,11 +330,11 @@ class SchedulerHalf:
             engine_id=self.engine_id,
             request_id=request_id,
             host=self.config.host,
-            port=self.config.port,
+            port=self.port,
             block_ids=block_ids,
             tp_size=self.tp_size,
         )
-        if not block_ids:
+        if not any(block_ids):
             return False, params
         try:
             handle = self.prefill.open(request_id)
@@ -259,14 +344,14 @@ class SchedulerHalf:
         self.stats.holds += 1
         self._held[request_id] = handle
         self._handoff.append(handle)
-        self._plan.send.append(SendSpec(request_id, room, tuple(block_ids)))
+        self._plan.send.append(SendSpec(request_id, room, block_ids))
         return True, params
 
     def _decode_finished(self, request_id: str, params: MutableMapping[str, Any]) -> None:
         if params.get("do_remote_prefill"):
             # Finished before vLLM allocated its blocks (an early abort): the prefill still holds them.
             params["do_remote_prefill"] = False
-            source = parse_source(params, tp_size=self.tp_size)
+            source = parse_source(params, groups=len(self.groups))
             if isinstance(source, RemoteSource):
                 self._release(request_id, source)
             return

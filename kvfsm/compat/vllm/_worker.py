@@ -22,6 +22,12 @@ decode (receiver room, opened when vLLM parked the request for its KV)
                       prefill proved its writes stopped (ABORT_ACK), or after
                       `drain_timeout`, never earlier (DESIGN.md rule 13)
 
+A hybrid KV cache moves each KV cache group in a room of its own
+(`_params.group_room`), each with that group's blocks; a request is
+reported once every one of its rooms ended and is release-safe, and its
+load failed if any of them failed. A group the decode needs none of (its
+prefix cache had it) is released on the prefill at once.
+
 Each room is reported exactly once, then closed; an abort for a room that
 is gone is counted (`stats.late_aborts`) and ignored. Deadlines are the
 managers' (one FIFO per phase, enforced on every poll), so an expired hold
@@ -34,6 +40,7 @@ Imports torch (through the backends) but not vLLM.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -50,7 +57,7 @@ from ...backends.base import KVBackend, KVPools, MemoryRegion, TransferInputErro
 from ...backends.local import LocalBackend
 from ...backends.remote import RemoteBackend, RemoteConfig
 from ._config import ConnectorConfig
-from ._params import RemoteSource
+from ._params import RemoteSource, group_room
 from ._plan import AbortSpec, RecvSpec, SendSpec, StepPlan
 
 __all__ = ["WorkerHalf", "WorkerStats", "kv_pools", "local_prefill_address"]
@@ -69,42 +76,88 @@ def local_prefill_address(engine_id: str, tp_rank: int) -> str | None:
         return _LOCAL_PREFILLS.get((engine_id, tp_rank))
 
 
+def _storage_region(name: str, tensors: list[Any], num_blocks: int) -> MemoryRegion:
+    """A Mamba layer's state tensors (views into one buffer, block-major) as that buffer's region."""
+    import torch
+
+    first = tensors[0]
+    storage = first.untyped_storage()
+    nbytes = int(storage.nbytes())
+    if nbytes % num_blocks:
+        raise ConfigError(
+            f"KV cache of layer {name!r}: its buffer holds {nbytes} bytes, not a whole number of {num_blocks} blocks"
+        )
+    for tensor in tensors:
+        if tensor.untyped_storage().data_ptr() != storage.data_ptr() or tensor.shape[0] != num_blocks:
+            raise ConfigError(
+                f"KV cache of layer {name!r}: its state tensors must be [num_blocks={num_blocks}, ...] views "
+                "of one buffer"
+            )
+    page = nbytes // num_blocks
+    raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (num_blocks, page), (page, 1))
+    return MemoryRegion.of_tensor(raw, name)
+
+
 def kv_pools(kv_caches: Mapping[str, Any], num_blocks: int) -> KVPools:
     """vLLM's per-layer KV cache tensors as kvfsm pools: one page per vLLM block.
 
     A layer's tensor is `[num_blocks, ...]` (K and V packed per block) or
-    `[2, num_blocks, ...]` (K and V apart: two regions). Every block's bytes
-    must be one contiguous run. Layers that share one tensor register it once.
+    `[2, num_blocks, ...]` (K and V apart: two regions); a Mamba layer's is
+    a list of state tensors, views into one block-major buffer (one region,
+    the buffer). Every block's bytes must be one contiguous run. Layers that
+    share memory (the layers of a hybrid KV cache's groups share vLLM's KV
+    cache tensors) register it once: one page index then moves a block of
+    whichever group owns that block id.
     """
     if not kv_caches:
         raise ConfigError("register_kv_caches got no KV cache tensors")
     regions: list[MemoryRegion] = []
     seen: set[tuple[int, int]] = set()
     for name in sorted(kv_caches):
-        tensor = kv_caches[name]
-        shape = tuple(tensor.shape)
-        if shape and shape[0] == num_blocks:
-            views = [(name, tensor)]
-        elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-            views = [(f"{name}.k", tensor[0]), (f"{name}.v", tensor[1])]
+        value = kv_caches[name]
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ConfigError(f"KV cache of layer {name!r} is an empty list")
+            candidates = [_storage_region(name, list(value), num_blocks)]
         else:
-            raise ConfigError(
-                f"KV cache of layer {name!r} has shape {shape}: expected [num_blocks={num_blocks}, ...] "
-                f"or [2, num_blocks={num_blocks}, ...]"
-            )
-        for label, view in views:
-            if not view.is_contiguous():
+            tensor = value
+            shape = tuple(tensor.shape)
+            if shape and shape[0] == num_blocks:
+                views = [(name, tensor)]
+            elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+                views = [(f"{name}.k", tensor[0]), (f"{name}.v", tensor[1])]
+            else:
                 raise ConfigError(
-                    f"KV cache of layer {label!r} is not block-contiguous (shape {tuple(view.shape)}, strides "
-                    f"{tuple(view.stride())}): the kvfsm connector needs each block's bytes in one run, "
-                    "as the layer-outermost layouts (LBHNC, LBNHC) give"
+                    f"KV cache of layer {name!r} has shape {shape}: expected [num_blocks={num_blocks}, ...] "
+                    f"or [2, num_blocks={num_blocks}, ...]"
                 )
-            key = (int(view.data_ptr()), int(view.numel()))
+            candidates = []
+            for label, view in views:
+                if not view.is_contiguous():
+                    raise ConfigError(
+                        f"KV cache of layer {label!r} is not block-contiguous (shape {tuple(view.shape)}, strides "
+                        f"{tuple(view.stride())}): the kvfsm connector needs each block's bytes in one run, "
+                        "as the layer-outermost layouts (LBHNC, LBNHC) give"
+                    )
+                candidates.append(MemoryRegion.of_tensor(view, label))
+        for region in candidates:
+            key = (region.ptr, region.nbytes)
             if key in seen:
                 continue
             seen.add(key)
-            regions.append(MemoryRegion.of_tensor(view, label))
+            regions.append(region)
+    _refuse_overlaps(regions)
     return KVPools(regions)
+
+
+def _refuse_overlaps(regions: list[MemoryRegion]) -> None:
+    ordered = sorted(regions, key=lambda r: r.ptr)
+    for before, after in itertools.pairwise(ordered):
+        if before.ptr + before.nbytes > after.ptr:
+            raise ConfigError(
+                f"KV cache regions {before.name!r} and {after.name!r} overlap without being the same "
+                "memory: layers sharing a KV cache tensor must view it the same way (block-major)"
+            )
 
 
 @attrs.define(slots=True)
@@ -120,17 +173,38 @@ class WorkerStats:
 
 
 @attrs.define(slots=True, eq=False)
-class _Send:
+class _Part:
+    """One room of a request's transfer: one KV cache group's blocks."""
+
     handle: TransferHandle
     blocks: tuple[int, ...]
-    sent: bool = False
+    #: Prefill: the send was issued. Decode: the destination blocks were posted.
+    started: bool = False
 
 
 @attrs.define(slots=True, eq=False)
-class _Recv:
-    handle: TransferHandle
-    blocks: tuple[int, ...]
-    expected: bool = False
+class _Transfer:
+    """A request's rooms on this rank (one per KV cache group it moves)."""
+
+    parts: list[_Part]
+
+    @property
+    def blocks(self) -> set[int]:
+        return {block for part in self.parts for block in part.blocks}
+
+    def ended(self) -> bool:
+        """Every room terminal and release-safe."""
+        return all(p.handle.is_terminal and p.handle.release_safe for p in self.parts)
+
+    def succeeded(self) -> bool:
+        return all(p.handle.state is KVPoll.Success for p in self.parts)
+
+    def reason(self) -> Any:
+        return next((p.handle.reason for p in self.parts if p.handle.reason is not None), None)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.handle.close()
 
 
 class WorkerHalf:
@@ -146,18 +220,22 @@ class WorkerHalf:
         producer: bool,
         consumer: bool,
         clock: Callable[[], float] = time.monotonic,
+        port: int | None = None,
     ) -> None:
+        """`port`: the first control port of this engine's prefill ranks (rank r on `port + r`);
+        default `config.port` (a data-parallel rank's own offset, see `_connector`)."""
         self.config = config
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
+        self.port = config.port if port is None else port
         self.prefill = TransferManager(Role.SENDER, timeouts=config.prefill_timeouts, clock=clock) if producer else None
         self.decode = TransferManager(Role.RECEIVER, timeouts=config.decode_timeouts, clock=clock) if consumer else None
         self.sender: KVBackend | None = None
         self.receiver: KVBackend | None = None
         self.stats = WorkerStats()
-        self._sending: dict[str, _Send] = {}
-        self._receiving: dict[str, _Recv] = {}
+        self._sending: dict[str, _Transfer] = {}
+        self._receiving: dict[str, _Transfer] = {}
         self._releasing: list[TransferHandle] = []
         # Reported at the next poll without a room: nothing was or will be sent for them.
         self._refused_sends: set[str] = set()
@@ -172,7 +250,7 @@ class WorkerHalf:
             raise ConfigError("register_kv_caches was called twice")
         pools = kv_pools(kv_caches, self.num_blocks)
         if self.prefill is not None:
-            self.sender = self._backend(self.prefill, self.config.port + self.tp_rank)
+            self.sender = self._backend(self.prefill, self.port + self.tp_rank)
             self.sender.register_pools(pools)
             if isinstance(self.sender, LocalBackend):
                 with _LOCAL_LOCK:
@@ -227,15 +305,24 @@ class WorkerHalf:
             )
             self._refused_sends.add(spec.request_id)
             return
-        try:
-            handle = self.prefill.open(spec.room)
-        except DuplicateRoom:
-            logger.error(
-                "kvfsm: room %s is already held on this prefill; request %s not held", spec.room, spec.request_id
-            )
-            return
-        self._sending[spec.request_id] = _Send(handle, spec.blocks)
-        self._bootstrap(self.sender, handle, self.sender.address)
+        parts: list[_Part] = []
+        for group, blocks in enumerate(spec.blocks):
+            if not blocks:
+                continue
+            room = group_room(spec.room, group)
+            try:
+                handle = self.prefill.open(room)
+            except DuplicateRoom:
+                logger.error(
+                    "kvfsm: room %s is already held on this prefill; request %s not held", room, spec.request_id
+                )
+                continue
+            parts.append(_Part(handle, blocks))
+            self._bootstrap(self.sender, handle, self.sender.address)
+        if parts:
+            self._sending[spec.request_id] = _Transfer(parts)
+        else:
+            self._refused_sends.add(spec.request_id)
 
     def _start_recv(self, spec: RecvSpec) -> None:
         if self.decode is None or self.receiver is None:
@@ -246,36 +333,67 @@ class WorkerHalf:
             )
             if not spec.release_only:
                 self._refused_loads.add(spec.request_id)
-                self._load_errors.update(spec.blocks)
+                self._load_errors.update(b for group in spec.blocks for b in group)
             return
-        try:
-            handle = self.decode.open(spec.room)
-        except DuplicateRoom:
-            if not spec.release_only:
-                logger.error(
-                    "kvfsm: room %s is already loading here; request %s fails its load", spec.room, spec.request_id
-                )
-                self._refused_loads.add(spec.request_id)
-                self._load_errors.update(spec.blocks)
-            return
-        if spec.release_only:
-            self.stats.releases += 1
-            self._releasing.append(handle)
-        else:
-            self._receiving[spec.request_id] = _Recv(handle, spec.blocks)
         problem = spec.problem
         address = None
+        remote: tuple[tuple[int, ...], ...] = ()
         if problem is None:
             assert spec.source is not None
+            remote = spec.source.block_ids
             address = self._prefill_address(spec.source)
             if address is None:
                 problem = f"no prefill rank {self.tp_rank} of engine {spec.source.engine_id!r} in this process"
-        if address is None:
-            # Never reached a backend: nothing can land in its blocks.
-            handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem or "no prefill"))
-            handle.writes_drained()
+        wanted = () if spec.release_only else spec.blocks
+        if problem is None:
+            for group, blocks in enumerate(wanted):
+                if blocks and (group >= len(remote) or not remote[group]):
+                    problem = f"the prefill holds no blocks of KV cache group {group}, this decode needs {len(blocks)}"
+        parts: list[_Part] = []
+        groups = max(len(remote), len(wanted)) if problem is None else 1
+        for group in range(groups):
+            held = remote[group] if group < len(remote) else ()
+            mine = wanted[group] if group < len(wanted) else ()
+            if problem is None and not held:
+                continue  # nothing held there for this group: no room
+            room = group_room(spec.room, group)
+            try:
+                handle = self.decode.open(room)
+            except DuplicateRoom:
+                if not spec.release_only:
+                    logger.error(
+                        "kvfsm: room %s is already loading here; request %s fails its load", room, spec.request_id
+                    )
+                    problem = problem or f"room {room!r} is already loading here"
+                continue
+            if problem is not None:
+                # Never reached a backend: nothing can land in its blocks.
+                handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
+                handle.writes_drained()
+                parts.append(_Part(handle, tuple(b for g in wanted for b in g)))
+                break
+            if mine:
+                parts.append(_Part(handle, mine))
+            else:
+                self.stats.releases += 1
+                self._releasing.append(handle)
+            assert address is not None
+            self._bootstrap(self.receiver, handle, address)
+        if spec.release_only:
             return
-        self._bootstrap(self.receiver, handle, address)
+        if problem is not None and not any(p.handle.reason is not None for p in parts):
+            # A duplicate room refused every part: report the load failed without a room.
+            for part in parts:
+                part.handle.abort(problem)
+            if not parts:
+                self._refused_loads.add(spec.request_id)
+                self._load_errors.update(b for group in spec.blocks for b in group)
+                return
+        if parts:
+            self._receiving[spec.request_id] = _Transfer(parts)
+        else:
+            # Nothing to load in any group (cannot happen for a parked load; be safe): report it loaded.
+            self._refused_loads.add(spec.request_id)
 
     def _prefill_address(self, source: RemoteSource) -> str | None:
         if isinstance(self.receiver, LocalBackend):
@@ -297,7 +415,8 @@ class WorkerHalf:
             self.stats.late_aborts += 1
             logger.debug("kvfsm: abort of request %s after its load ended: ignored", spec.request_id)
             return
-        recv.handle.abort(spec.reason)
+        for part in recv.parts:
+            part.handle.abort(spec.reason)
 
     # -- each step's report (get_finished) -------------------------------------------------------
 
@@ -315,31 +434,29 @@ class WorkerHalf:
 
     def _poll_sends(self) -> set[str]:
         done, self._refused_sends = self._refused_sends, set()
-        for request_id, send in list(self._sending.items()):
-            handle = send.handle
-            state = handle.poll()
-            if state is KVPoll.WaitingForInput and not send.sent:
-                self._send(send)
-                state = handle.state
-            if state is KVPoll.Success:
-                self.stats.sent += 1
-            elif state is KVPoll.Failed and handle.release_safe:
-                self.stats.failed_sends += 1
-            else:
+        for request_id, transfer in list(self._sending.items()):
+            for part in transfer.parts:
+                if part.handle.poll() is KVPoll.WaitingForInput and not part.started:
+                    self._send(part)
+            if not transfer.ended():
                 continue
-            handle.close()
+            if transfer.succeeded():
+                self.stats.sent += 1
+            else:
+                self.stats.failed_sends += 1
+            transfer.close()
             del self._sending[request_id]
             done.add(request_id)
         return done
 
-    def _send(self, send: _Send) -> None:
+    def _send(self, part: _Part) -> None:
         assert self.sender is not None
-        handle = send.handle
+        handle = part.handle
         wanted = self.sender.expected_pages(handle)
         if wanted is None:
             return
-        send.sent = True
-        held = len(send.blocks)
+        part.started = True
+        held = len(part.blocks)
         if wanted > held:
             handle.fail(
                 FailureReason(
@@ -348,34 +465,37 @@ class WorkerHalf:
             )
             return
         try:
-            self.sender.send(handle, send.blocks[held - wanted :], last=True)
+            self.sender.send(handle, part.blocks[held - wanted :], last=True)
         except TransferInputError as exc:  # the backend failed the room with this reason
             logger.error("kvfsm: sending room %s failed: %s", handle.room, exc)
 
     def _poll_loads(self) -> tuple[set[str], set[str]]:
         done, failed = set(self._refused_loads), set(self._refused_loads)
         self._refused_loads.clear()
-        for request_id, recv in list(self._receiving.items()):
-            handle = recv.handle
-            state = handle.poll()
-            if state is KVPoll.WaitingForInput and not recv.expected:
-                recv.expected = True
-                assert self.receiver is not None
-                try:
-                    self.receiver.expect(handle, list(recv.blocks))
-                except TransferInputError as exc:
-                    logger.error("kvfsm: loading room %s failed: %s", handle.room, exc)
-                state = handle.state
-            if state is KVPoll.Success:
+        for request_id, transfer in list(self._receiving.items()):
+            for part in transfer.parts:
+                handle = part.handle
+                if handle.poll() is KVPoll.WaitingForInput and not part.started:
+                    part.started = True
+                    assert self.receiver is not None
+                    try:
+                        self.receiver.expect(handle, list(part.blocks))
+                    except TransferInputError as exc:
+                        logger.error("kvfsm: loading room %s failed: %s", handle.room, exc)
+            if not transfer.ended():
+                if any(p.handle.state is KVPoll.Failed for p in transfer.parts):
+                    # One group failed: the load fails whatever the others do, so stop them now.
+                    for part in transfer.parts:
+                        part.handle.abort("another KV cache group of this load failed")
+                continue
+            if transfer.succeeded():
                 self.stats.loaded += 1
-            elif state is KVPoll.Failed and handle.release_safe:
+            else:
                 self.stats.failed_loads += 1
                 failed.add(request_id)
-                self._load_errors.update(recv.blocks)
-                logger.warning("kvfsm: request %s failed to load its KV: %s", request_id, handle.reason)
-            else:
-                continue
-            handle.close()
+                self._load_errors.update(transfer.blocks)
+                logger.warning("kvfsm: request %s failed to load its KV: %s", request_id, transfer.reason())
+            transfer.close()
             del self._receiving[request_id]
             done.add(request_id)
         return done, failed
