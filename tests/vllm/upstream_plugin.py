@@ -34,6 +34,7 @@ _env.prepare()
 CONNECTOR = os.environ.get("KVFSM_UPSTREAM_CONNECTOR", "kvfsm")
 _UTILS = "vllm_upstream_tests.v1.kv_connector.unit.utils"
 
+
 def _select_kvfsm(utils: Any) -> None:
     create = utils.create_vllm_config
     names = create.__code__.co_varnames[: create.__code__.co_argcount]
