@@ -166,6 +166,9 @@ class WorkerStats:
 
     sent: int = 0
     loaded: int = 0
+    #: Blocks moved by the sends and loads that succeeded.
+    blocks_sent: int = 0
+    blocks_loaded: int = 0
     failed_sends: int = 0
     failed_loads: int = 0
     releases: int = 0
@@ -180,6 +183,8 @@ class _Part:
     blocks: tuple[int, ...]
     #: Prefill: the send was issued. Decode: the destination blocks were posted.
     started: bool = False
+    #: Prefill: the blocks the send moves (the decode's cached prefix is not sent).
+    sent_blocks: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -442,6 +447,7 @@ class WorkerHalf:
                 continue
             if transfer.succeeded():
                 self.stats.sent += 1
+                self.stats.blocks_sent += sum(p.sent_blocks for p in transfer.parts)
             else:
                 self.stats.failed_sends += 1
             transfer.close()
@@ -464,6 +470,7 @@ class WorkerHalf:
                 )
             )
             return
+        part.sent_blocks = wanted
         try:
             self.sender.send(handle, part.blocks[held - wanted :], last=True)
         except TransferInputError as exc:  # the backend failed the room with this reason
@@ -490,6 +497,7 @@ class WorkerHalf:
                 continue
             if transfer.succeeded():
                 self.stats.loaded += 1
+                self.stats.blocks_loaded += len(transfer.blocks)
             else:
                 self.stats.failed_loads += 1
                 failed.add(request_id)
