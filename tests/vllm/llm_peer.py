@@ -160,7 +160,7 @@ class _Endpoint:
 
     def pump(self) -> None:
         """One engine step while the scheduler still holds requests (the engine core's busy loop)."""
-        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined,unused-ignore]
         if core.scheduler.has_requests():
             core.step()
 
@@ -171,7 +171,7 @@ class _Endpoint:
         if not has_kv_transfer_group():
             return {}
         worker = get_kv_transfer_group().worker_half
-        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined,unused-ignore]
         scheduler = core.scheduler.connector.scheduler_half
         return {
             "worker": None if worker is None else _attrs_dict(worker.stats),
