@@ -169,6 +169,8 @@ class Engine:
         self.worker.register_kv_caches(self.kv)
         #: Per step: the request ids the workers reported (sending, recving, failed) and load errors.
         self.reports: list[tuple[set[str], set[str], set[str], set[int]]] = []
+        #: The `kv_connector_stats` payloads of vLLM's scheduler stats, one per step that had any.
+        self.connector_stats: list[dict[str, Any]] = []
 
     @property
     def connector(self) -> KVFSMConnector:
@@ -187,6 +189,10 @@ class Engine:
         connector_output = self._worker_step(output)
         model_output = self._model_output(output, connector_output)
         outputs = self.scheduler.update_from_output(output, model_output)
+        for client in outputs.values():
+            stats = client.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
         return [o for client in outputs.values() for o in client.outputs]
 
     def _worker_step(self, output: SchedulerOutput) -> KVConnectorOutput:
@@ -201,11 +207,13 @@ class Engine:
         self.reports.append(
             (set(results.finished_sending), set(results.finished_recving), set(results.failed_recving), set(errors))
         )
+        # As vLLM's model runner (`KVConnectorModelRunnerMixin`): the worker's stats ride on its output.
         return KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
             invalid_block_ids=errors,
+            kv_connector_stats=worker.get_kv_connector_stats(),
         )
 
     def _layer_blocks(self, request_id: str) -> list[list[int]]:

@@ -17,6 +17,8 @@ worker role (`_worker.WorkerHalf`)
     start_load_kv                open and bootstrap the step's rooms
     get_finished / get_transfer_results   rooms that ended and are release-safe
     get_block_ids_with_load_errors        the blocks of failed loads
+    get_kv_connector_stats       both roles: the figures vLLM's loggers and /metrics get
+                                 (`_metrics`: build_kv_connector_stats, build_prom_metrics)
     shutdown                     backends closed, live rooms failed
     wait_for_layer_load, save_kv_layer, wait_for_save: nothing to do (the KV
     is already in vLLM's blocks; the backend writes them whole)
@@ -54,6 +56,12 @@ from ._plan import GroupShape, SchedulerHalf, StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -308,6 +316,35 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler cannot map them back (it raises), so a failed load is reported
         # by request alone (`failed_recving`), as vLLM asks connectors to.
         return errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+
+    # -- vLLM's metrics ------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self.worker_half if self.worker_half is not None else self.scheduler_half
+        payload = half.report() if half is not None else None
+        if payload is None:
+            return None
+        from ._metrics import KVFSMConnectorStats
+
+        return KVFSMConnectorStats(data=payload)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from ._metrics import KVFSMConnectorStats
+
+        return KVFSMConnectorStats(data=data) if data is not None else KVFSMConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from ._metrics import KVFSMPromMetrics
+
+        return KVFSMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:

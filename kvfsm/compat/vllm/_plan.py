@@ -54,6 +54,7 @@ from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
 from ._config import ConnectorConfig
 from ._params import Blocks, RemoteSource, as_groups, parse_source, prefill_params, room_id
+from ._stats import TransferStats
 
 __all__ = ["AbortSpec", "GroupShape", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
 
@@ -191,6 +192,8 @@ class SchedulerHalf:
         self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
         self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
         self.stats = SchedulerStats()
+        #: What vLLM's metrics get from this half (`report`).
+        self.transfer_stats = TransferStats()
         self._held: dict[str, TransferHandle] = {}
         self._loads: dict[str, _Load] = {}
         # Transfer rooms of the loads still open: a second load of the same prefill request waits.
@@ -255,6 +258,7 @@ class SchedulerHalf:
         source = parse_source(params, groups=len(self.groups))
         if isinstance(source, RemoteSource) and (problem := self._tp_problem(source)) is not None:
             self.stats.refused_tp += 1
+            self.transfer_stats.count("refused_tp")
             logger.warning(
                 "kvfsm: request %s: %s; computing it locally, the prefill frees its blocks now", request_id, problem
             )
@@ -418,6 +422,12 @@ class SchedulerHalf:
         except UnknownRoom as exc:  # says whether it was closed or never opened
             why = exc.detail
         logger.warning("kvfsm: %s for request %s dropped: %s", kind, request_id, why)
+
+    def report(self) -> dict[str, Any] | None:
+        """This half's figures for vLLM's connector stats since the last report (`_stats` payload)."""
+        if self._held or self.stats.holds:
+            self.transfer_stats.sample("holds", len(self._held))
+        return self.transfer_stats.take()
 
     @property
     def held(self) -> frozenset[str]:

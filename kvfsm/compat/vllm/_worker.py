@@ -59,6 +59,7 @@ from ...backends.remote import RemoteBackend, RemoteConfig
 from ._config import ConnectorConfig
 from ._params import RemoteSource, group_room
 from ._plan import AbortSpec, RecvSpec, SendSpec, StepPlan
+from ._stats import TransferStats, quarantined_pages_of
 
 __all__ = ["WorkerHalf", "WorkerStats", "kv_pools", "local_prefill_address"]
 
@@ -239,6 +240,8 @@ class WorkerHalf:
         self.sender: KVBackend | None = None
         self.receiver: KVBackend | None = None
         self.stats = WorkerStats()
+        #: What vLLM's metrics get (`report`): per room, since the last report.
+        self.transfer_stats = TransferStats()
         self._sending: dict[str, _Transfer] = {}
         self._receiving: dict[str, _Transfer] = {}
         self._releasing: list[TransferHandle] = []
@@ -381,6 +384,7 @@ class WorkerHalf:
                 parts.append(_Part(handle, mine))
             else:
                 self.stats.releases += 1
+                self.transfer_stats.count("releases")
                 self._releasing.append(handle)
             assert address is not None
             self._bootstrap(self.receiver, handle, address)
@@ -445,6 +449,8 @@ class WorkerHalf:
                     self._send(part)
             if not transfer.ended():
                 continue
+            for part in transfer.parts:
+                self.transfer_stats.room_ended(part.handle)
             if transfer.succeeded():
                 self.stats.sent += 1
                 self.stats.blocks_sent += sum(p.sent_blocks for p in transfer.parts)
@@ -495,6 +501,8 @@ class WorkerHalf:
                     for part in transfer.parts:
                         part.handle.abort("another KV cache group of this load failed")
                 continue
+            for part in transfer.parts:
+                self.transfer_stats.room_ended(part.handle)
             if transfer.succeeded():
                 self.stats.loaded += 1
                 self.stats.blocks_loaded += len(transfer.blocks)
@@ -519,6 +527,16 @@ class WorkerHalf:
             else:
                 still.append(handle)
         self._releasing = still
+
+    def report(self) -> dict[str, Any] | None:
+        """This rank's figures for vLLM's connector stats since the last report (`_stats` payload)."""
+        self.transfer_stats.sample("quarantined_pages", self._quarantined_pages())
+        return self.transfer_stats.take()
+
+    def _quarantined_pages(self) -> int | None:
+        counts = [quarantined_pages_of(m) for m in (self.prefill, self.decode) if m is not None]
+        known = [c for c in counts if c is not None]
+        return sum(known) if known else None
 
     @property
     def busy(self) -> bool:
