@@ -174,6 +174,11 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
+            renewals = None
+            if self.config.lease_duration is not None:
+                from ._leases import LeaseChannel
+
+                renewals = LeaseChannel(self.config.shared_key)
             self.scheduler_half = SchedulerHalf(
                 self.config,
                 engine_id=engine_id,
@@ -181,6 +186,8 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
                 port=self.port,
                 groups=self.groups,
                 prefill_backoff=_prefill_backoff(vllm_config, kv_cache_config),
+                renewals=renewals,
+                clock=type(self).clock,
             )
         else:
             from ._worker import WorkerHalf
@@ -209,6 +216,7 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_half
 
     def on_new_request(self, request: Request) -> None:
+        self._scheduler().new_request(request.request_id, request.kv_transfer_params)
         # A Mamba (or bounded-replay, or lookahead) model's prefill stops short of the
         # tokens its decode recomputes, as NixlConnector's `_truncate_request_for_prefill`.
         backoff = self._scheduler().prefill_backoff
@@ -349,3 +357,5 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_half is not None:
             self.worker_half.shutdown()
+        if self.scheduler_half is not None:
+            self.scheduler_half.shutdown()

@@ -36,23 +36,32 @@ cannot slice or merge (`unequal_tp`, given by the facade) is computed
 locally, and the prefill is told at once to free its blocks (counted in
 `stats.refused_tp`): its blocks are never left to a deadline.
 
+A prefill's hold is also a lease (`_leases`): the decode's half renews it
+for each request it intends to load, the prefill's half expires the
+leases nobody renewed, on a manager's deadlines, once per step, and tells
+the workers to free those holds (`StepPlan.expire`) unless a decode
+already claimed them.
+
 Nothing here waits: the deadlines that bound how long blocks stay held run
-on the workers' rooms (`_worker.py`), where the bytes move. This module
+on the workers' rooms (`_worker.py`), where the bytes move, and on the
+lease book. This module
 imports neither vLLM nor torch; `_connector.py` feeds it plain values.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import attrs
 
-from ..._errors import DuplicateRoom, UnknownRoom
+from ..._errors import ConfigError, DuplicateRoom, UnknownRoom
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role, Timeouts
 from ._config import ConnectorConfig
+from ._leases import LeaseBook, LeaseRenewer, Renewals, renew_all
 from ._params import Blocks, RemoteSource, as_groups, parse_source, prefill_params, room_id
 from ._stats import TransferStats
 
@@ -136,9 +145,11 @@ class StepPlan:
     recv: list[RecvSpec] = attrs.Factory(list)
     send: list[SendSpec] = attrs.Factory(list)
     abort: list[AbortSpec] = attrs.Factory(list)
+    #: Prefill: held requests whose lease expired (free them unless a decode claimed them).
+    expire: list[str] = attrs.Factory(list)
 
     def __bool__(self) -> bool:
-        return bool(self.recv or self.send or self.abort)
+        return bool(self.recv or self.send or self.abort or self.expire)
 
 
 @attrs.define(slots=True)
@@ -154,6 +165,8 @@ class SchedulerStats:
     absorbed_notices: int = 0
     #: Loads from a prefill of another TP size these workers cannot map: computed locally, prefill told.
     refused_tp: int = 0
+    #: Prefill holds whose lease expired (no renewal from their decode).
+    expired_leases: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -176,12 +189,16 @@ class SchedulerHalf:
         groups: tuple[GroupShape, ...] = FULL,
         unequal_tp: str | None = "this connector maps prefill and decode ranks one to one",
         prefill_backoff: int = 0,
+        renewals: Renewals | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`port`: what the prefill's params name (this DP rank's first port; default `config.port`).
         `groups`: one `GroupShape` per KV cache group. `unequal_tp`: why a prefill of
         another TP size cannot be loaded from, or None when the workers map heads.
         `prefill_backoff`: trailing prompt tokens a decode recomputes itself (Mamba's
-        last state, as NIXL's `_prefill_backoff`), so they are not loaded."""
+        last state, as NIXL's `_prefill_backoff`), so they are not loaded. `renewals`:
+        what carries leases (`_leases.LeaseChannel`); None, or `config.lease_duration`
+        null: no leases (holds last `hold_timeout`). `clock`: the leases' clock."""
         self.config = config
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -189,6 +206,11 @@ class SchedulerHalf:
         self.groups = groups
         self.unequal_tp = unequal_tp
         self.prefill_backoff = prefill_backoff
+        lease = config.lease_duration if renewals is not None else None
+        self.renewals = renewals
+        self.leases = LeaseBook(lease, clock) if lease is not None else None
+        self.renewer = LeaseRenewer(lease, clock, renewals) if lease is not None and renewals is not None else None
+        self._listening: bool | None = None
         self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
         self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
         self.stats = SchedulerStats()
@@ -203,6 +225,20 @@ class SchedulerHalf:
         self._handoff: list[TransferHandle] = []
 
     # -- decode: matching and allocation ---------------------------------------------------
+
+    def new_request(self, request_id: str, params: Mapping[str, Any] | None) -> None:
+        """`on_new_request`: a request this decode intends to load starts renewing its prefill's lease."""
+        if self.renewer is None or not params or not params.get("do_remote_prefill"):
+            return
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, RemoteSource):
+            self.renewer.intend(
+                request_id, source.host, source.port + source.tp_size, source.engine_id, source.request_id
+            )
+
+    def _stop_renewing(self, request_id: str) -> None:
+        if self.renewer is not None:
+            self.renewer.drop(request_id)
 
     def matched_tokens(
         self, params: Mapping[str, Any] | None, num_prompt_tokens: int, num_computed_tokens: int
@@ -254,6 +290,8 @@ class SchedulerHalf:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            self._stop_renewing(request_id)  # nothing to load: the prefill is told to free its blocks
         blocks = _clip(self.groups, as_groups(unhashed_blocks))
         source = parse_source(params, groups=len(self.groups))
         if isinstance(source, RemoteSource) and (problem := self._tp_problem(source)) is not None:
@@ -330,6 +368,7 @@ class SchedulerHalf:
             # Aborted or failed: no decode will come for it, vLLM frees the blocks now.
             return False, None
         room = room_id(self.engine_id, request_id)
+        self._ensure_listening()
         params = prefill_params(
             engine_id=self.engine_id,
             request_id=request_id,
@@ -347,11 +386,32 @@ class SchedulerHalf:
             return False, None
         self.stats.holds += 1
         self._held[request_id] = handle
+        if self.leases is not None:
+            self.leases.grant(request_id)
         self._handoff.append(handle)
         self._plan.send.append(SendSpec(request_id, room, block_ids))
         return True, params
 
+    def _ensure_listening(self) -> None:
+        """Open the lease port at the first hold (a decode renews only what a hold told it about)."""
+        if self._listening is not None or self.leases is None:
+            return
+        listen = getattr(self.renewals, "listen", None)
+        try:
+            if listen is not None:
+                listen(self.config.host, self.port + self.tp_size)
+            self._listening = True
+        except ConfigError as exc:
+            self._listening = False
+            self.leases = None
+            logger.error(
+                "kvfsm: %s. Holds on this engine are not leased: they last hold_timeout (%s s)",
+                exc,
+                self.config.hold_timeout,
+            )
+
     def _decode_finished(self, request_id: str, params: MutableMapping[str, Any]) -> None:
+        self._stop_renewing(request_id)
         if params.get("do_remote_prefill"):
             # Finished before vLLM allocated its blocks (an early abort): the prefill still holds them.
             params["do_remote_prefill"] = False
@@ -367,13 +427,33 @@ class SchedulerHalf:
     # -- the step's metadata and the workers' notices ------------------------------------------
 
     def build(self) -> StepPlan:
-        """`build_connector_meta`: hand this step's work to the workers."""
+        """`build_connector_meta`: hand this step's work to the workers (and keep the leases)."""
+        self._keep_leases()
         plan, self._plan = self._plan, StepPlan()
         handed, self._handoff = self._handoff, []
         for handle in handed:
             if handle.state is KVPoll.Bootstrapping:
                 handle.bootstrapped()
         return plan
+
+    def _keep_leases(self) -> None:
+        if self.renewer is not None:
+            self.renewer.tick()
+        if self.leases is None or self.renewals is None:
+            return
+        renew_all(self.leases, self.engine_id, self.renewals.receive())
+        for request_id in self.leases.expired():
+            if request_id not in self._held:
+                continue
+            self.stats.expired_leases += 1
+            self.transfer_stats.count("expired_leases")
+            logger.warning(
+                "kvfsm: the lease of request %s expired (no renewal from its decode in %s s): "
+                "its blocks are freed unless a decode already claimed them",
+                request_id,
+                self.leases.duration,
+            )
+            self._plan.expire.append(request_id)
 
     def notices(
         self,
@@ -392,6 +472,7 @@ class SchedulerHalf:
                 self._absorb("finished_recving", request_id, self.decode)
                 continue
             del self._loads[request_id]
+            self._stop_renewing(request_id)
             handle = load.handle
             if request_id in failed or not invalid.isdisjoint(load.blocks):
                 handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the workers reported a failed load"))
@@ -408,6 +489,8 @@ class SchedulerHalf:
                 self._absorb("finished_sending", request_id, self.prefill)
                 continue
             del self._held[request_id]
+            if self.leases is not None:
+                self.leases.end(request_id)
             held.transfer_started()
             held.transfer_done()
             self.prefill.close(request_id)
@@ -428,6 +511,11 @@ class SchedulerHalf:
         if self._held or self.stats.holds:
             self.transfer_stats.sample("holds", len(self._held))
         return self.transfer_stats.take()
+
+    def shutdown(self) -> None:
+        close = getattr(self.renewals, "close", None)
+        if close is not None:
+            close()
 
     @property
     def held(self) -> frozenset[str]:

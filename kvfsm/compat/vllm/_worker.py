@@ -302,6 +302,8 @@ class WorkerHalf:
             self._start_send(send)
         for abort in plan.abort:
             self._abort(abort)
+        for request_id in plan.expire:
+            self._expire(request_id)
 
     def _start_send(self, spec: SendSpec) -> None:
         if self.prefill is None or self.sender is None:
@@ -426,6 +428,15 @@ class WorkerHalf:
             return
         for part in recv.parts:
             part.handle.abort(spec.reason)
+
+    def _expire(self, request_id: str) -> None:
+        """The hold's lease expired: free its rooms no decode claimed yet (a claimed one goes on)."""
+        transfer = self._sending.get(request_id)
+        if transfer is None:
+            return
+        for part in transfer.parts:
+            if part.handle.state is KVPoll.Bootstrapping:
+                part.handle.fail(FailureReason(FailureKind.TIMEOUT, "lease expired: the decode stopped renewing it"))
 
     # -- each step's report (get_finished) -------------------------------------------------------
 
