@@ -148,6 +148,7 @@ class _Endpoint:
             "final_states": {} if stats is None else {k.name: n for k, n in stats.final_states.items() if n},
             "drain_deadline_releases": 0 if stats is None else stats.drain_deadline_releases,
             "worker": None if worker is None else str(worker.stats),
+            "scheduler": str(getattr(self.engine.connector.scheduler_half, "stats", None)),
         }
 
 
