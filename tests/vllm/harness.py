@@ -143,11 +143,14 @@ class Engine:
         policy: str = "fail",
         num_blocks: int = 64,
         hybrid: bool = False,
+        dp_index: int = 0,
     ) -> None:
         """`hybrid`: two KV cache groups (full attention, sliding window) sharing one KV tensor, as
         vLLM's hybrid KV cache manager lays them out (one layer of each group per tensor)."""
         self.config = vllm_config(kv_role, engine_id=engine_id, extra=extra, policy=policy)
         self.config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
+        # A data-parallel rank, as vLLM's engine core sets it in each DP rank's process.
+        self.config.parallel_config.data_parallel_index = dp_index
         self.hybrid = hybrid
         self.kv_config = kv_cache_config(num_blocks, hybrid)
         self.config.cache_config.num_gpu_blocks = num_blocks
