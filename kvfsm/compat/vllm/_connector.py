@@ -122,6 +122,35 @@ def _prefill_backoff(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     )
 
 
+def _kv_heads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int | None:
+    """KV heads per rank of the one full-attention group whose heads a decode can merge (else None)."""
+    groups = kv_cache_config.kv_cache_groups
+    model = vllm_config.model_config
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        return None
+    if model is not None and getattr(model, "use_mla", False):
+        return None
+    return int(groups[0].kv_cache_spec.num_kv_heads)
+
+
+def _unequal_tp(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why this decode cannot load from a prefill of another TP size, or None when it merges heads."""
+    if _kv_heads(vllm_config, kv_cache_config) is None:
+        return (
+            "heads are merged only for one full-attention KV cache group (not hybrid, not MLA): "
+            "run prefill and decode with the same TP size"
+        )
+    return None
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int | None:
+    model = vllm_config.model_config
+    try:
+        return int(model.get_total_num_kv_heads()) if model is not None else None
+    except Exception:  # a config without the attribute (tests' stand-ins): no replication check
+        return None
+
+
 def dp_port(port: int, vllm_config: VllmConfig) -> int:
     """The first port of this data-parallel rank: each DP rank takes `tp_size + 1` ports from `port`.
 
@@ -188,6 +217,8 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
                 prefill_backoff=_prefill_backoff(vllm_config, kv_cache_config),
                 renewals=renewals,
                 clock=type(self).clock,
+                unequal_tp=_unequal_tp(vllm_config, kv_cache_config),
+                total_kv_heads=_total_kv_heads(vllm_config),
             )
         else:
             from ._worker import WorkerHalf
@@ -201,6 +232,8 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
                 consumer=bool(transfer.is_kv_consumer),
                 clock=type(self).clock,
                 port=self.port,
+                tp_size=self.tp_size,
+                kv_heads=_kv_heads(vllm_config, kv_cache_config),
             )
 
     @classmethod

@@ -191,10 +191,13 @@ class SchedulerHalf:
         prefill_backoff: int = 0,
         renewals: Renewals | None = None,
         clock: Callable[[], float] = time.monotonic,
+        total_kv_heads: int | None = None,
     ) -> None:
         """`port`: what the prefill's params name (this DP rank's first port; default `config.port`).
         `groups`: one `GroupShape` per KV cache group. `unequal_tp`: why a prefill of
-        another TP size cannot be loaded from, or None when the workers map heads.
+        another TP size cannot be loaded from, or None when the workers merge heads
+        (from a prefill of a whole multiple of this TP size, `total_kv_heads` KV
+        heads in all, none replicated).
         `prefill_backoff`: trailing prompt tokens a decode recomputes itself (Mamba's
         last state, as NIXL's `_prefill_backoff`), so they are not loaded. `renewals`:
         what carries leases (`_leases.LeaseChannel`); None, or `config.lease_duration`
@@ -205,6 +208,7 @@ class SchedulerHalf:
         self.port = config.port if port is None else port
         self.groups = groups
         self.unequal_tp = unequal_tp
+        self.total_kv_heads = total_kv_heads
         self.prefill_backoff = prefill_backoff
         lease = config.lease_duration if renewals is not None else None
         self.renewals = renewals
@@ -267,11 +271,22 @@ class SchedulerHalf:
         return count, True
 
     def _tp_problem(self, source: RemoteSource) -> str | None:
-        if source.tp_size == self.tp_size or self.unequal_tp is None:
+        remote, local = source.tp_size, self.tp_size
+        if remote == local:
             return None
-        return (
-            f"the prefill runs tensor parallel size {source.tp_size} and this decode {self.tp_size}: {self.unequal_tp}"
-        )
+        why = self.unequal_tp
+        if why is None and remote < local:
+            why = (
+                "a decode of a larger TP size would need each prefill rank's heads split over several "
+                "decode ranks, which this connector does not do (the other way round, it merges them)"
+            )
+        elif why is None and remote % local:
+            why = "a decode merges the heads of a whole number of prefill ranks"
+        elif why is None and self.total_kv_heads is not None and self.total_kv_heads < remote:
+            why = f"the model's {self.total_kv_heads} KV heads are replicated over {remote} prefill ranks"
+        if why is None:
+            return None
+        return f"the prefill runs tensor parallel size {remote} and this decode {local}: {why}"
 
     def after_alloc(
         self,

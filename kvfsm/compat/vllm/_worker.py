@@ -40,6 +40,7 @@ Imports torch (through the backends) but not vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -151,6 +152,35 @@ def kv_pools(kv_caches: Mapping[str, Any], num_blocks: int) -> KVPools:
     return KVPools(regions)
 
 
+def kv_pools_by_head(kv_caches: Mapping[str, Any], num_blocks: int, heads: int) -> KVPools | None:
+    """The same memory with one page per block and KV head, if every layer is head-major; else None.
+
+    A head-major block (`[num_blocks, heads, ...]`, or K and V apart as
+    `[2, num_blocks, heads, ...]`: vLLM's LBHNC layout, the CPU backend's)
+    holds each head's bytes in one run, so page `block * heads + h` is head
+    `h` of `block`. Consecutive heads of consecutive blocks are consecutive
+    pages: a transfer of whole blocks still coalesces into one run per block
+    range, and a decode of a smaller TP size merges several prefill ranks'
+    heads into its blocks (`WorkerHalf._sources`).
+    """
+    views: list[tuple[str, Any]] = []
+    for name in sorted(kv_caches):
+        tensor = kv_caches[name]
+        if isinstance(tensor, (list, tuple)):
+            return None
+        shape = tuple(tensor.shape)
+        if len(shape) >= 3 and shape[0] == num_blocks and shape[1] == heads:
+            views.append((name, tensor))
+        elif len(shape) >= 4 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == heads:
+            views += [(f"{name}.k", tensor[0]), (f"{name}.v", tensor[1])]
+        else:
+            return None
+    if any(not view.is_contiguous() for _, view in views):
+        return None
+    split = {name: view.reshape(num_blocks * heads, *view.shape[2:]) for name, view in views}
+    return kv_pools(split, num_blocks * heads)
+
+
 def _refuse_overlaps(regions: list[MemoryRegion]) -> None:
     ordered = sorted(regions, key=lambda r: r.ptr)
     for before, after in itertools.pairwise(ordered):
@@ -182,6 +212,10 @@ class _Part:
 
     handle: TransferHandle
     blocks: tuple[int, ...]
+    #: Decode: the pages to post (a block's page, or its heads' pages from this prefill rank).
+    pages: list[int] | None = None
+    #: Decode: the receiver backend of the prefill rank this room loads from.
+    backend: KVBackend | None = None
     #: Prefill: the send was issued. Decode: the destination blocks were posted.
     started: bool = False
     #: Prefill: the blocks the send moves (the decode's cached prefix is not sent).
@@ -227,14 +261,26 @@ class WorkerHalf:
         consumer: bool,
         clock: Callable[[], float] = time.monotonic,
         port: int | None = None,
+        tp_size: int = 1,
+        kv_heads: int | None = None,
     ) -> None:
         """`port`: the first control port of this engine's prefill ranks (rank r on `port + r`);
-        default `config.port` (a data-parallel rank's own offset, see `_connector`)."""
+        default `config.port` (a data-parallel rank's own offset, see `_connector`). `tp_size`:
+        this engine's. `kv_heads`: KV heads per rank of a single full-attention KV cache group
+        (None otherwise): a head-major layout then moves one page per head, so a decode can
+        merge the heads of several prefill ranks."""
         self.config = config
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         self.port = config.port if port is None else port
+        self.tp_size = tp_size
+        self.kv_heads = kv_heads
+        #: KV heads per page once registered (None: one page per block).
+        self.page_heads: int | None = None
+        self._clock = clock
+        self._pools: KVPools | None = None
+        self._more_receivers: dict[int, tuple[KVBackend, TransferManager]] = {}
         self.prefill = TransferManager(Role.SENDER, timeouts=config.prefill_timeouts, clock=clock) if producer else None
         self.decode = TransferManager(Role.RECEIVER, timeouts=config.decode_timeouts, clock=clock) if consumer else None
         self.sender: KVBackend | None = None
@@ -257,6 +303,11 @@ class WorkerHalf:
         if self.sender is not None or self.receiver is not None:
             raise ConfigError("register_kv_caches was called twice")
         pools = kv_pools(kv_caches, self.num_blocks)
+        if self.kv_heads is not None:
+            by_head = kv_pools_by_head(kv_caches, self.num_blocks, self.kv_heads)
+            if by_head is not None:
+                pools, self.page_heads = by_head, self.kv_heads
+        self._pools = pools
         if self.prefill is not None:
             self.sender = self._backend(self.prefill, self.port + self.tp_rank)
             self.sender.register_pools(pools)
@@ -288,7 +339,8 @@ class WorkerHalf:
             with _LOCAL_LOCK:
                 if _LOCAL_PREFILLS.get((self.engine_id, self.tp_rank)) == self.sender.address:
                     del _LOCAL_PREFILLS[(self.engine_id, self.tp_rank)]
-        for backend in (self.receiver, self.sender):
+        more = [backend for backend, _ in self._more_receivers.values()]
+        for backend in (*more, self.receiver, self.sender):
             if backend is not None:
                 backend.close()
 
@@ -334,6 +386,40 @@ class WorkerHalf:
         else:
             self._refused_sends.add(spec.request_id)
 
+    def _sources(self, source: RemoteSource) -> list[tuple[int, int, int]] | str:
+        """The prefill ranks this rank loads from: (rank, first local head, heads) each; else the problem.
+
+        Equal TP: rank r from rank r, every head. A prefill of k times this
+        decode's TP size: this rank's heads come from k prefill ranks, each
+        rank's heads into their slice of this rank's blocks (per-head pages,
+        `kv_pools`). A prefill of a smaller TP size is the scheduler's to
+        refuse (its ranks would each serve several decode ranks).
+        """
+        remote, local = source.tp_size, self.tp_size
+        if remote == local:
+            return [(self.tp_rank, 0, self.page_heads or 0)]
+        heads = self.page_heads
+        if heads is None:
+            return (
+                f"the prefill runs TP {remote} and this decode TP {local}: its heads can be merged only "
+                "from a head-major KV cache layout (LBHNC) of one full-attention group"
+            )
+        if remote % local or heads % (remote // local):
+            return (
+                f"the prefill runs TP {remote} and this decode TP {local} with {heads} KV heads per rank: "
+                "a decode merges the heads of a whole number of prefill ranks"
+            )
+        k = remote // local
+        per = heads // k
+        return [(self.tp_rank * k + j, j * per, per) for j in range(k)]
+
+    def _pages(self, blocks: tuple[int, ...], first: int, count: int) -> list[int]:
+        """The page list of `blocks`: one page per block, or per head (heads `first`..`first + count`)."""
+        heads = self.page_heads
+        if heads is None:
+            return list(blocks)
+        return [block * heads + first + h for block in blocks for h in range(count)]
+
     def _start_recv(self, spec: RecvSpec) -> None:
         if self.decode is None or self.receiver is None:
             logger.error(
@@ -346,59 +432,75 @@ class WorkerHalf:
                 self._load_errors.update(b for group in spec.blocks for b in group)
             return
         problem = spec.problem
-        address = None
+        sources: list[tuple[int, int, int]] = []
         remote: tuple[tuple[int, ...], ...] = ()
         if problem is None:
             assert spec.source is not None
             remote = spec.source.block_ids
-            address = self._prefill_address(spec.source)
-            if address is None:
-                problem = f"no prefill rank {self.tp_rank} of engine {spec.source.engine_id!r} in this process"
+            found = self._sources(spec.source)
+            if isinstance(found, str):
+                problem = found
+            else:
+                sources = found
         wanted = () if spec.release_only else spec.blocks
         if problem is None:
             for group, blocks in enumerate(wanted):
                 if blocks and (group >= len(remote) or not remote[group]):
                     problem = f"the prefill holds no blocks of KV cache group {group}, this decode needs {len(blocks)}"
+        all_blocks = tuple(b for g in wanted for b in g)
         parts: list[_Part] = []
-        groups = max(len(remote), len(wanted)) if problem is None else 1
-        for group in range(groups):
-            held = remote[group] if group < len(remote) else ()
-            mine = wanted[group] if group < len(wanted) else ()
-            if problem is None and not held:
-                continue  # nothing held there for this group: no room
-            room = group_room(spec.room, group)
-            try:
-                handle = self.decode.open(room)
-            except DuplicateRoom:
-                if not spec.release_only:
-                    logger.error(
-                        "kvfsm: room %s is already loading here; request %s fails its load", room, spec.request_id
-                    )
-                    problem = problem or f"room {room!r} is already loading here"
-                continue
-            if problem is not None:
-                # Never reached a backend: nothing can land in its blocks.
-                handle.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
-                handle.writes_drained()
-                parts.append(_Part(handle, tuple(b for g in wanted for b in g)))
-                break
-            if mine:
-                parts.append(_Part(handle, mine))
-            else:
-                self.stats.releases += 1
-                self.transfer_stats.count("releases")
-                self._releasing.append(handle)
-            assert address is not None
-            self._bootstrap(self.receiver, handle, address)
+        if problem is None:
+            assert spec.source is not None
+            for index, (rank, first, count) in enumerate(sources):
+                address = self._prefill_address(spec.source, rank)
+                if address is None:
+                    problem = f"no prefill rank {rank} of engine {spec.source.engine_id!r} in this process"
+                    break
+                receiver, manager = self._receiver(index)
+                for group in range(max(len(remote), len(wanted))):
+                    held = remote[group] if group < len(remote) else ()
+                    mine = wanted[group] if group < len(wanted) else ()
+                    if not held:
+                        continue  # nothing held there for this group: no room
+                    room = group_room(spec.room, group)
+                    try:
+                        handle = manager.open(room)
+                    except DuplicateRoom:
+                        logger.error(
+                            "kvfsm: room %s is already loading here; request %s fails its load", room, spec.request_id
+                        )
+                        problem = f"room {room!r} is already loading here"
+                        break
+                    if mine:
+                        parts.append(_Part(handle, mine, pages=self._pages(mine, first, count), backend=receiver))
+                    else:
+                        self.stats.releases += 1
+                        self.transfer_stats.count("releases")
+                        self._releasing.append(handle)
+                    self._bootstrap(receiver, handle, address)
+                if problem is not None:
+                    break
         if spec.release_only:
+            if problem is not None:
+                logger.warning(
+                    "kvfsm: request %s: cannot tell its prefill to free its blocks: %s", spec.request_id, problem
+                )
             return
-        if problem is not None and not any(p.handle.reason is not None for p in parts):
-            # A duplicate room refused every part: report the load failed without a room.
+        if problem is not None:
             for part in parts:
                 part.handle.abort(problem)
-            if not parts:
+            # A room that never reaches a backend carries the reason (nothing can land in its blocks):
+            # the scheduler's own for bad params, else one beside the transfer's.
+            failed: TransferHandle | None = None
+            with contextlib.suppress(DuplicateRoom):
+                failed = self.decode.open(spec.room if spec.problem else f"!{spec.room}")
+            if failed is not None:
+                failed.fail(FailureReason(FailureKind.BOOTSTRAP_ERROR, problem))
+                failed.writes_drained()
+                parts.append(_Part(failed, all_blocks))
+            elif not parts:
                 self._refused_loads.add(spec.request_id)
-                self._load_errors.update(b for group in spec.blocks for b in group)
+                self._load_errors.update(all_blocks)
                 return
         if parts:
             self._receiving[spec.request_id] = _Transfer(parts)
@@ -406,10 +508,27 @@ class WorkerHalf:
             # Nothing to load in any group (cannot happen for a parked load; be safe): report it loaded.
             self._refused_loads.add(spec.request_id)
 
-    def _prefill_address(self, source: RemoteSource) -> str | None:
+    def _receiver(self, index: int) -> tuple[KVBackend, TransferManager]:
+        """The receiver backend (and its manager) of this rank's `index`-th prefill rank of a request.
+
+        One room id per transfer, so the rooms of one transfer from several
+        prefill ranks need one manager each: made on first use, on the same KV memory.
+        """
+        assert self.receiver is not None and self.decode is not None
+        if index == 0:
+            return self.receiver, self.decode
+        if index not in self._more_receivers:
+            assert self._pools is not None
+            manager = TransferManager(Role.RECEIVER, timeouts=self.config.decode_timeouts, clock=self._clock)
+            backend = self._backend(manager, 0)
+            backend.register_pools(self._pools)
+            self._more_receivers[index] = (backend, manager)
+        return self._more_receivers[index]
+
+    def _prefill_address(self, source: RemoteSource, rank: int) -> str | None:
         if isinstance(self.receiver, LocalBackend):
-            return local_prefill_address(source.engine_id, self.tp_rank)
-        return f"tcp://{source.host}:{source.port + self.tp_rank}"
+            return local_prefill_address(source.engine_id, rank)
+        return f"tcp://{source.host}:{source.port + rank}"
 
     @staticmethod
     def _bootstrap(backend: KVBackend, handle: TransferHandle, address: str) -> None:
@@ -480,16 +599,19 @@ class WorkerHalf:
             return
         part.started = True
         held = len(part.blocks)
-        if wanted > held:
+        heads = self.page_heads or 1
+        blocks = wanted // heads
+        if wanted % heads or blocks > held:
             handle.fail(
                 FailureReason(
-                    FailureKind.TRANSFER_ERROR, f"the decode expects {wanted} blocks; this prefill holds {held}"
+                    FailureKind.TRANSFER_ERROR,
+                    f"the decode expects {wanted} pages; this prefill holds {held} blocks of {heads} page(s)",
                 )
             )
             return
-        part.sent_blocks = wanted
+        part.sent_blocks = blocks
         try:
-            self.sender.send(handle, part.blocks[held - wanted :], last=True)
+            self.sender.send(handle, self._pages(part.blocks[held - blocks :], 0, heads), last=True)
         except TransferInputError as exc:  # the backend failed the room with this reason
             logger.error("kvfsm: sending room %s failed: %s", handle.room, exc)
 
@@ -501,9 +623,10 @@ class WorkerHalf:
                 handle = part.handle
                 if handle.poll() is KVPoll.WaitingForInput and not part.started:
                     part.started = True
-                    assert self.receiver is not None
+                    backend = part.backend or self.receiver
+                    assert backend is not None
                     try:
-                        self.receiver.expect(handle, list(part.blocks))
+                        backend.expect(handle, part.pages if part.pages is not None else list(part.blocks))
                     except TransferInputError as exc:
                         logger.error("kvfsm: loading room %s failed: %s", handle.room, exc)
             if not transfer.ended():
