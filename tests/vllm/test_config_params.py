@@ -154,3 +154,38 @@ def test_importing_kvfsm_and_the_connector_package_does_not_import_vllm() -> Non
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_vllm_extra_brings_the_default_backend_and_the_control_plane() -> None:
+    import configparser
+    from pathlib import Path
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).parents[2] / "setup.cfg")
+    extra = [line.split(">")[0].split("=")[0].strip() for line in setup["options.extras_require"]["vllm"].split("\n")]
+    assert ConnectorConfig().backend == "mooncake"
+    assert {"mooncake-transfer-engine-non-cuda", "pyzmq"} <= set(extra)
+
+
+def test_a_missing_default_backend_says_which_install_brings_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvfsm.backends import BackendError
+    from kvfsm.compat.vllm import _worker
+
+    def missing(self: Any, manager: Any, port: int) -> Any:
+        raise BackendError("MooncakeBackend needs Mooncake Transfer Engine")
+
+    monkeypatch.setattr(_worker.WorkerHalf, "_make_backend", missing)
+    half = _worker.WorkerHalf(ConnectorConfig(), engine_id="E", tp_rank=0, num_blocks=2, producer=True, consumer=False)
+    with pytest.raises(BackendError, match=r"pip install 'kvfsm\[vllm\]'"):
+        half.register({"l": torch.zeros(2, 4)})
+
+
+def test_the_lease_is_thirty_seconds_by_default_configurable_and_can_be_switched_off() -> None:
+    assert ConnectorConfig.from_extra({}).lease_duration == 30.0
+    assert ConnectorConfig.from_extra({"lease_duration": 5}).lease_duration == 5.0
+    assert ConnectorConfig.from_extra({"lease_duration": None}).lease_duration is None
+    for bad in (0, -1, "30", True, float("inf")):
+        with pytest.raises(ConfigError, match="'lease_duration'"):
+            ConnectorConfig.from_extra({"lease_duration": bad})

@@ -140,6 +140,9 @@ def _unequal_tp(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str 
             "heads are merged only for one full-attention KV cache group (not hybrid, not MLA): "
             "run prefill and decode with the same TP size"
         )
+    layout = vllm_config.cache_config.kv_cache_layout
+    if layout is not None and getattr(layout, "name", layout) != "LBHNC":
+        return f"heads are merged only in the head-major KV cache layout LBHNC; this engine runs {layout}"
     return None
 
 
@@ -237,6 +240,15 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # Head-major blocks (as NixlConnector asks): each KV head's bytes in one run, so a decode
+        # can merge the heads of several prefill ranks. MLA has one latent head: any layout.
+        model = vllm_config.model_config
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         # The backends register vLLM's KV memory; sleep mode would remap it under them.
         return False
@@ -324,7 +336,13 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register(kv_caches)
+        worker = self._worker()
+        # One page per head needs each head's bytes in one run: vLLM's head-major layout only (the
+        # layout is resolved by now). Prefill and decode run the same layout, so both page alike.
+        layout = self._vllm_config.cache_config.kv_cache_layout
+        if getattr(layout, "name", layout) != "LBHNC":
+            worker.kv_heads = None
+        worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

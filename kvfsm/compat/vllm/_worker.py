@@ -54,7 +54,7 @@ from ..._errors import ConfigError, DuplicateRoom
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role
 from ...backends import get_backend
-from ...backends.base import KVBackend, KVPools, MemoryRegion, TransferInputError
+from ...backends.base import BackendError, KVBackend, KVPools, MemoryRegion, TransferInputError
 from ...backends.local import LocalBackend
 from ...backends.remote import RemoteBackend, RemoteConfig
 from ._config import ConnectorConfig
@@ -320,6 +320,18 @@ class WorkerHalf:
         return pools
 
     def _backend(self, manager: TransferManager, port: int) -> KVBackend:
+        try:
+            return self._make_backend(manager, port)
+        except BackendError as exc:
+            if self.config.backend != "mooncake":
+                raise
+            # The connector's default: say which install brings it.
+            raise BackendError(
+                f"{exc}. With vLLM, pip install 'kvfsm[vllm]' installs what the kvfsm connector's default "
+                "backend needs (or set kv_connector_extra_config['backend'])"
+            ) from exc
+
+    def _make_backend(self, manager: TransferManager, port: int) -> KVBackend:
         cls = get_backend(self.config.backend)
         options = dict(self.config.backend_options)
         if issubclass(cls, RemoteBackend):
