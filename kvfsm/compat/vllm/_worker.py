@@ -6,7 +6,8 @@ backend and, each step, starts what the scheduler half planned and reports
 what ended. Per request, in kvfsm terms:
 
 prefill (sender room, opened when vLLM finished the request and holds its blocks)
-    Bootstrapping     held for the decode; deadline `hold_timeout` (the lease)
+    Bootstrapping     held for the decode; deadline `hold_timeout`, and the lease (`_leases`:
+                      the scheduler half tells us when it expired, `StepPlan.expire`)
     WaitingForInput   the decode posted its destination blocks; we send our
                       last `expected_pages` blocks (it may cache a prefix)
     Transferring      the backend writes into the decode's blocks
