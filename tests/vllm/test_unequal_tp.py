@@ -28,7 +28,8 @@ from ..integration.remote_peer import engine_missing, free_port  # noqa: E402
 from .tp_engine import BLOCK, TPChild, TPEngine  # noqa: E402
 
 _ids = itertools.count()
-COMMON = {"backend": "mooncake", "heartbeat_interval": 0.2}
+#: Leases longer than any wait here: a hold must be freed by the decode's release, not by its lease.
+COMMON = {"backend": "mooncake", "heartbeat_interval": 0.2, "lease_duration": 300}
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def _load(prefill: TPChild, decode: TPEngine, name: str, tokens: list[int]) -> t
     params = prefill.call("prefill", f"p-{name}", tokens)
     request_id = f"d-{name}"
     decode.add(request_id, tokens, 2, params)
-    prefill.post("run", 30.0)
+    prefill.post("run", 20.0)
     wrong = None
     for _ in range(20000):
         decode.step()

@@ -426,6 +426,14 @@ class WorkerHalf:
         per = heads // k
         return [(self.tp_rank * k + j, j * per, per) for j in range(k)]
 
+    def _releases(self, source: RemoteSource) -> list[tuple[int, int, int]]:
+        """The prefill ranks this rank tells to free a request's blocks: those `p % tp_size == rank`.
+
+        Every prefill rank is told by exactly one decode rank, whatever the two
+        TP sizes (a decode that cannot load from this prefill still frees it).
+        """
+        return [(rank, 0, 0) for rank in range(self.tp_rank, source.tp_size, self.tp_size)]
+
     def _pages(self, blocks: tuple[int, ...], first: int, count: int) -> list[int]:
         """The page list of `blocks`: one page per block, or per head (heads `first`..`first + count`)."""
         heads = self.page_heads
@@ -450,7 +458,7 @@ class WorkerHalf:
         if problem is None:
             assert spec.source is not None
             remote = spec.source.block_ids
-            found = self._sources(spec.source)
+            found = self._releases(spec.source) if spec.release_only else self._sources(spec.source)
             if isinstance(found, str):
                 problem = found
             else:
