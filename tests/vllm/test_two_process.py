@@ -151,7 +151,7 @@ def test_a_waiting_decode_keeps_its_prefills_hold_by_lease_and_a_killed_one_free
     mooncake: None,
 ) -> None:
     # Issue 20 / vLLM #41383: a hold for a dead decode was pinned for hold_timeout (480 s).
-    lease = 1.5
+    lease = 3.0  # renewed every 0.5 s: a decode stalled that long by a busy host still renews in time
     engine = f"prefill-{next(_ids)}"
     common: dict[str, Any] = {"backend": "mooncake", "heartbeat_interval": 0.1, "lease_duration": lease}
     prefill = EnginePeer("kv_producer", engine, {**common, "port": free_port(), "hold_timeout": 120})

@@ -14,6 +14,7 @@ connector per rank, `tp_engine.TPEngine`) runs in a child process.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -58,12 +59,16 @@ def _load(prefill: TPChild, decode: TPEngine, name: str, tokens: list[int]) -> t
     decode.add(request_id, tokens, 2, params)
     prefill.post("run", 20.0)
     wrong = None
-    for _ in range(20000):
+    # Both engines step until the prefill's run ends (it ends once it holds nothing): the decode
+    # tells the prefill of blocks it does not need from its own steps.
+    for _ in range(200000):
         decode.step()
         if wrong is None and request_id in decode.loaded:
             wrong = decode.wrong_blocks(request_id)  # before any forward touches the loaded blocks
-        if decode.requests[request_id].is_finished():
+        if decode.requests[request_id].is_finished() and prefill.answered():
             break
+        time.sleep(0.001)
+    assert decode.requests[request_id].is_finished()
     assert prefill.result(timeout=60) == 0, "the prefill frees every block it held"
     return request_id, wrong
 

@@ -182,6 +182,10 @@ class TPChild(PipeChild):
     def result(self, timeout: float = 60.0) -> Any:
         return self._receive("call", timeout)
 
+    def answered(self) -> bool:
+        """Whether the posted call's answer is there to read."""
+        return bool(self._conn.poll(0))
+
 
 def _child_main(conn: Connection, kv_role: str, engine_id: str, tp: int, extra: dict[str, Any]) -> None:
     endpoint = build_or_exit(conn, lambda: _Endpoint(kv_role, engine_id, tp, extra))
