@@ -176,6 +176,7 @@ class _Endpoint:
         return {
             "worker": None if worker is None else _attrs_dict(worker.stats),
             "scheduler": None if scheduler is None else _attrs_dict(scheduler.stats),
+            "page_heads": None if worker is None else worker.page_heads,
         }
 
     def close(self) -> None:

@@ -162,7 +162,9 @@ def kv_pools_by_head(kv_caches: Mapping[str, Any], num_blocks: int, heads: int) 
     `h` of `block`. Consecutive heads of consecutive blocks are consecutive
     pages: a transfer of whole blocks still coalesces into one run per block
     range, and a decode of a smaller TP size merges several prefill ranks'
-    heads into its blocks (`WorkerHalf._sources`).
+    heads into its blocks (`WorkerHalf._sources`). Shapes alone cannot tell
+    a heads axis from a K/V axis of the same size: the caller asks only for
+    a layout vLLM declared head-major (`KVFSMConnector.register_kv_caches`).
     """
     views: list[tuple[str, Any]] = []
     for name in sorted(kv_caches):
