@@ -284,3 +284,18 @@ def test_malformed_frames_are_dropped_and_counted(channels: list[LeaseChannel]) 
         assert prefill.dropped == 6
     finally:
         push.close(0)
+
+
+def test_a_clients_oversized_request_id_is_not_renewed_and_sinks_no_other_renewal() -> None:
+    # One frame carries many requests' renewals: an id too long for it must not take them down.
+    from kvfsm.compat.vllm._leases import MAX_ID_CHARS
+
+    clock, bus = Clock(), Bus()
+    prefill, decode = halves(clock, bus)
+    _, params = prefill.request_finished("r1", {"do_remote_decode": True}, finished_ok=True, block_ids=[1])
+    assert params is not None
+    decode.new_request("d1", params)
+    decode.new_request("d-huge", {**params, "remote_request_id": "x" * (MAX_ID_CHARS + 1)})
+    decode.build()
+    assert [ids for *_, ids in bus.frames] == [["r1"]]
+    assert decode.renewer is not None and decode.renewer.too_long == 1

@@ -72,3 +72,23 @@ def test_head_pages_need_a_head_major_layout() -> None:
     # A layout whose second axis is not the heads (e.g. LBNHC) has no per-head pages.
     assert kv_pools_by_head({"a": torch.zeros(blocks, 16, heads, 8)}, blocks, heads) is None
     assert kv_pools_by_head({"a": [torch.zeros(blocks, 8)]}, blocks, heads) is None
+
+
+def test_a_hybrid_mamba_layer_registers_its_buffer_once_with_the_attention_layer_that_shares_it() -> None:
+    # vLLM's hybrid layout: an attention layer and a Mamba layer view one raw buffer, block-major;
+    # the Mamba layer's value is a list of state views (conv, ssm) with the block's page stride.
+    from kvfsm.compat.vllm._worker import kv_pools
+
+    blocks, page = 4, 256  # floats per block
+    raw = torch.zeros(blocks * page)
+    attention = raw.view(blocks, 2, 16, 2, 4)  # [blocks, K/V, block size, heads, head size]
+    conv = torch.as_strided(raw, (blocks, 3, 8), (page, 8, 1))
+    ssm = torch.as_strided(raw, (blocks, 4, 16), (page, 16, 1), storage_offset=24)
+    pools = kv_pools({"attn": attention, "mamba": [conv, ssm]}, blocks)
+    assert len(pools.kv) == 1 and pools.num_pages == blocks and pools.page_nbytes == page * 4
+    # State views of another buffer than their layer's first one are refused by name.
+    other = torch.zeros(blocks, 3, 8)
+    from kvfsm import ConfigError
+
+    with pytest.raises(ConfigError, match="'mamba'"):
+        kv_pools({"mamba": [conv, other]}, blocks)

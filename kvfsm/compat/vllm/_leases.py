@@ -47,6 +47,9 @@ logger = logging.getLogger("kvfsm.compat.vllm")
 
 #: Request ids in one renewal frame; more go in further frames.
 MAX_IDS_PER_FRAME = 1024
+#: Longest engine or request id a decode renews: a frame of `MAX_IDS_PER_FRAME` of them fits
+#: `MAX_FRAME_BYTES`, so one client's oversized id cannot sink the renewals of the others.
+MAX_ID_CHARS = 512
 #: Largest frame a prefill reads (1024 ids of up to 512 characters, JSON): bigger ones are dropped.
 MAX_FRAME_BYTES = 1 << 20
 #: Frames a prefill reads per engine step (the rest wait for the next step).
@@ -125,8 +128,13 @@ class LeaseRenewer:
         self._last = float("-inf")
         self._new = False
         self.sent_frames = 0
+        self.too_long = 0
 
     def intend(self, request_id: str, host: str, port: int, engine_id: str, remote_request_id: str) -> None:
+        """Renew `remote_request_id`'s lease at `engine_id` until `drop`; ids past `MAX_ID_CHARS` are not."""
+        if len(remote_request_id) > MAX_ID_CHARS or len(engine_id) > MAX_ID_CHARS:
+            self.too_long += 1  # its own hold then lasts one lease; nobody else's renewals suffer
+            return
         if request_id not in self._intents:
             self._intents[request_id] = (host, port, engine_id, remote_request_id)
             self._new = True
