@@ -59,7 +59,7 @@ def test_renewals_for_another_engine_are_ignored() -> None:
     book = LeaseBook(30.0, clock)
     book.grant("r")
     clock.now += 20
-    assert renew_all(book, "P", [("Q", ["r"]), ("P", ["x"])]) == 0
+    assert renew_all(book, "P", [("Q", ["r"], 1), ("P", ["x"], 1)]) == 0
     clock.now += 11
     assert book.expired() == ["r"]
 
@@ -68,16 +68,16 @@ class Bus:
     """An in-memory lease channel: what a decode sends, the prefill receives."""
 
     def __init__(self) -> None:
-        self.frames: list[tuple[str, int, str, list[str]]] = []
+        self.frames: list[tuple[str, int, str, list[str], int]] = []
         self.delivered = 0
         self.down = False
 
-    def send(self, host: str, port: int, engine_id: str, request_ids: list[str]) -> None:
+    def send(self, host: str, port: int, engine_id: str, request_ids: list[str], tp_size: int = 0) -> None:
         if not self.down:
-            self.frames.append((host, port, engine_id, list(request_ids)))
+            self.frames.append((host, port, engine_id, list(request_ids), tp_size))
 
-    def receive(self) -> list[tuple[str, list[str]]]:
-        got = [(engine, ids) for _, _, engine, ids in self.frames[self.delivered :]]
+    def receive(self) -> list[tuple[str, list[str], int]]:
+        got = [(engine, ids, tp) for _, _, engine, ids, tp in self.frames[self.delivered :]]
         self.delivered = len(self.frames)
         return got
 
@@ -88,10 +88,10 @@ class Outbox:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
 
-    def send(self, host: str, port: int, engine_id: str, request_ids: list[str]) -> None:
-        self.bus.send(host, port, engine_id, request_ids)
+    def send(self, host: str, port: int, engine_id: str, request_ids: list[str], tp_size: int = 0) -> None:
+        self.bus.send(host, port, engine_id, request_ids, tp_size)
 
-    def receive(self) -> list[tuple[str, list[str]]]:
+    def receive(self) -> list[tuple[str, list[str], int]]:
         return []
 
 
@@ -114,7 +114,7 @@ def test_a_decode_that_intends_to_load_keeps_the_hold_and_one_that_died_frees_it
         decode.build()
         assert prefill.build().expire == []
     # Renewals go to the prefill's lease port: its first port plus its TP size.
-    assert {(host, port, engine) for host, port, engine, _ in bus.frames} == {("127.0.0.1", 7002, "P")}
+    assert {(host, port, engine, tp) for host, port, engine, _, tp in bus.frames} == {("127.0.0.1", 7002, "P", 2)}
     bus.down = True  # the decode died
     clock.now += 29
     assert prefill.build().expire == []
@@ -203,8 +203,8 @@ def channels() -> Iterator[list[LeaseChannel]]:
         channel.close()
 
 
-def _receive(channel: LeaseChannel, frames: int) -> list[tuple[str, list[str]]]:
-    got: list[tuple[str, list[str]]] = []
+def _receive(channel: LeaseChannel, frames: int) -> list[tuple[str, list[str], int]]:
+    got: list[tuple[str, list[str], int]] = []
     for _ in range(400):  # bounded: 2 s of loopback
         got += channel.receive()
         if len(got) >= frames:
@@ -222,8 +222,8 @@ def test_the_channel_carries_renewals_and_drops_forged_ones(channels: list[Lease
     port = free_port()
     prefill.listen("127.0.0.1", port)
     forger.send("127.0.0.1", port, "P", ["r1"])
-    decode.send("127.0.0.1", port, "P", ["r1", "r2"])
-    assert _receive(prefill, 1) == [("P", ["r1", "r2"])]
+    decode.send("127.0.0.1", port, "P", ["r1", "r2"], 4)
+    assert _receive(prefill, 1) == [("P", ["r1", "r2"], 4)]
     assert prefill.dropped == 1, "the frame without the shared key's MAC"
 
 
@@ -279,9 +279,10 @@ def test_malformed_frames_are_dropped_and_counted(channels: list[LeaseChannel]) 
             + str(["r"] * (MAX_IDS_PER_FRAME + 1)).replace("'", '"').encode()
             + b"}"
         )
+        push.send(b'{"v": 1, "engine": "P", "requests": ["x"], "tp": -1}')
         push.send(b'{"v": 1, "engine": "P", "requests": ["ok"]}')
-        assert _receive(prefill, 1) == [("P", ["ok"])]
-        assert prefill.dropped == 6
+        assert _receive(prefill, 1) == [("P", ["ok"], 0)]
+        assert prefill.dropped == 7
     finally:
         push.close(0)
 
@@ -297,5 +298,21 @@ def test_a_clients_oversized_request_id_is_not_renewed_and_sinks_no_other_renewa
     decode.new_request("d1", params)
     decode.new_request("d-huge", {**params, "remote_request_id": "x" * (MAX_ID_CHARS + 1)})
     decode.build()
-    assert [ids for *_, ids in bus.frames] == [["r1"]]
+    assert [frame[3] for frame in bus.frames] == [["r1"]]
     assert decode.renewer is not None and decode.renewer.too_long == 1
+
+
+def test_a_decode_of_a_larger_tp_size_announces_it_and_the_prefill_slices_the_hold_once() -> None:
+    clock, bus = Clock(), Bus()
+    config = ConnectorConfig.from_extra({"backend": "local", "port": 7000})
+    prefill = SchedulerHalf(config, engine_id="P", tp_size=1, renewals=bus, clock=clock)
+    decode = SchedulerHalf(config, engine_id="D", tp_size=4, renewals=Outbox(bus), clock=clock)
+    _, params = prefill.request_finished("r1", {"do_remote_decode": True}, finished_ok=True, block_ids=[1])
+    assert params is not None
+    prefill.build()
+    decode.new_request("d1", params)
+    decode.build()
+    assert prefill.build().slices == [("r1", 4)]
+    clock.now += 10
+    decode.build()
+    assert prefill.build().slices == [], "sliced once"

@@ -27,6 +27,13 @@ def test_equal_tp_loads_every_head_from_the_same_rank() -> None:
     assert worker(1, 2, None)._sources(source(2)) == [(1, 0, 0)]
 
 
+def test_a_decode_rank_of_a_larger_tp_size_loads_its_slice_of_one_prefill_rank() -> None:
+    # Prefill TP 1 (4 heads), decode TP 2 (2 heads per rank): both ranks load from prefill rank 0,
+    # each every one of its own heads (the prefill sends the slice that rank's room names).
+    assert worker(0, 2, 2)._sources(source(1)) == [(0, 0, 2)]
+    assert worker(1, 2, 2)._sources(source(1)) == [(0, 0, 2)]
+
+
 def test_a_decode_merges_the_heads_of_k_prefill_ranks_into_their_slices() -> None:
     # Decode TP 2 with 4 heads per rank, prefill TP 4 (2 heads per rank): rank 1 holds global heads 4..7.
     half = worker(1, 2, 4)

@@ -27,8 +27,9 @@ Hybrid KV caches (several KV cache groups: full attention, sliding window,
 Mamba) move group by group, each group's blocks clipped as vLLM's
 NixlConnector clips them (`_group_shapes`). Data parallel ranks each take
 their own ports (`dp_port`). Refused with a `kvfsm.ConfigError` at
-construction: pipeline or context parallelism. A request from a prefill of
-another tensor-parallel size that the workers cannot map is computed
+construction: pipeline or context parallelism. Unequal TP sizes where one
+is a multiple of the other move per-head pages (heads merged or split); a
+request from a prefill of a TP size the workers cannot map is computed
 locally and its prefill told to free its blocks at once (`_plan`).
 """
 

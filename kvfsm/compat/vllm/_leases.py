@@ -59,9 +59,9 @@ MAX_FRAMES_PER_STEP = 256
 class Renewals(Protocol):
     """What carries renewals (a `LeaseChannel`, or a test's stand-in)."""
 
-    def send(self, host: str, port: int, engine_id: str, request_ids: list[str]) -> None: ...
+    def send(self, host: str, port: int, engine_id: str, request_ids: list[str], tp_size: int = 0) -> None: ...
 
-    def receive(self) -> list[tuple[str, list[str]]]: ...
+    def receive(self) -> list[tuple[str, list[str], int]]: ...
 
 
 class LeaseBook:
@@ -119,8 +119,10 @@ class LeaseBook:
 class LeaseRenewer:
     """The decode's side: which prefill requests it still intends to load, renewed on a schedule."""
 
-    def __init__(self, duration: float, clock: Callable[[], float], renewals: Renewals) -> None:
+    def __init__(self, duration: float, clock: Callable[[], float], renewals: Renewals, tp_size: int = 1) -> None:
+        """`tp_size`: this decode's, sent along: a prefill of a smaller TP size slices its heads for it."""
         self.interval = duration / 6
+        self.tp_size = tp_size
         self._clock = clock
         self._renewals = renewals
         #: Local request id -> (host, lease port, prefill engine id, prefill request id).
@@ -156,7 +158,7 @@ class LeaseRenewer:
             by_prefill.setdefault((host, port, engine), []).append(remote)
         for (host, port, engine), ids in by_prefill.items():
             for start in range(0, len(ids), MAX_IDS_PER_FRAME):
-                self._renewals.send(host, port, engine, ids[start : start + MAX_IDS_PER_FRAME])
+                self._renewals.send(host, port, engine, ids[start : start + MAX_IDS_PER_FRAME], self.tp_size)
                 self.sent_frames += 1
 
 
@@ -196,7 +198,7 @@ class LeaseChannel:
             ) from exc
         self._pull = sock
 
-    def send(self, host: str, port: int, engine_id: str, request_ids: list[str]) -> None:
+    def send(self, host: str, port: int, engine_id: str, request_ids: list[str], tp_size: int = 0) -> None:
         zmq = self._zmq
         sock = self._push.get((host, port))
         if sock is None:
@@ -205,19 +207,20 @@ class LeaseChannel:
             sock.setsockopt(zmq.SNDHWM, self._high_water)
             sock.connect(f"tcp://{host}:{port}")
             self._push[(host, port)] = sock
-        body = json.dumps({"v": 1, "engine": engine_id, "requests": request_ids}).encode()
+        body = json.dumps({"v": 1, "engine": engine_id, "requests": request_ids, "tp": tp_size}).encode()
         frames = [body] if self._key is None else [body, _mac(self._key, body)]
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             self.unsent += 1  # the prefill is not reading (or not there): the next renewal retries
 
-    def receive(self) -> list[tuple[str, list[str]]]:
-        """The renewals that arrived, at most `MAX_FRAMES_PER_STEP` frames; malformed ones dropped (counted)."""
+    def receive(self) -> list[tuple[str, list[str], int]]:
+        """The renewals that arrived (engine, request ids, the decode's TP size or 0), at most
+        `MAX_FRAMES_PER_STEP` frames; malformed ones dropped (counted)."""
         if self._pull is None:
             return []
         zmq = self._zmq
-        got: list[tuple[str, list[str]]] = []
+        got: list[tuple[str, list[str], int]] = []
         for _ in range(MAX_FRAMES_PER_STEP):
             try:
                 frames = self._pull.recv_multipart(flags=zmq.NOBLOCK)
@@ -230,7 +233,7 @@ class LeaseChannel:
                 got.append(parsed)
         return got
 
-    def _parse(self, frames: list[bytes]) -> tuple[str, list[str]] | None:
+    def _parse(self, frames: list[bytes]) -> tuple[str, list[str], int] | None:
         if self._key is not None:
             if len(frames) != 2 or not hmac.compare_digest(frames[1], _mac(self._key, frames[0])):
                 return None
@@ -247,7 +250,10 @@ class LeaseChannel:
             return None
         if not all(isinstance(i, str) for i in ids):
             return None
-        return engine, ids
+        tp = message.get("tp", 0)
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 0 <= tp <= 1 << 16:
+            return None
+        return engine, ids, tp
 
     def close(self) -> None:
         for sock in [*self._push.values(), *([self._pull] if self._pull is not None else [])]:
@@ -256,12 +262,20 @@ class LeaseChannel:
         self._pull = None
 
 
-def renew_all(book: LeaseBook, engine_id: str, renewals: Iterable[tuple[str, list[str]]]) -> int:
-    """Apply the renewals naming `engine_id` (others are for another engine: ignored); how many renewed."""
+def renew_all(
+    book: LeaseBook, engine_id: str, renewals: Iterable[tuple[str, list[str], int]], seen: dict[str, int] | None = None
+) -> int:
+    """Apply the renewals naming `engine_id` (others are for another engine: ignored); how many renewed.
+
+    `seen` collects, per renewed request, the TP size its decode announced.
+    """
     count = 0
-    for engine, ids in renewals:
+    for engine, ids, tp in renewals:
         if engine != engine_id:
             continue
         for request_id in ids:
-            count += book.renew(request_id)
+            renewed = book.renew(request_id)
+            count += renewed
+            if renewed and seen is not None and tp:
+                seen[request_id] = tp
     return count

@@ -39,6 +39,7 @@ __all__ = [
     "parse_source",
     "prefill_params",
     "room_id",
+    "slice_room",
 ]
 
 #: Block ids per KV cache group (one tuple per group, in vLLM's group order).
@@ -53,6 +54,11 @@ def room_id(engine_id: str, request_id: str) -> str:
 def group_room(room: str, group: int) -> str:
     """The room that moves KV cache group `group` of transfer `room` (group 0: the room itself)."""
     return room if group == 0 else f"{room}#g{group}"
+
+
+def slice_room(room: str, index: int, count: int) -> str:
+    """The room of slice `index` of `count` of a prefill rank's heads (a decode of `count` times its TP size)."""
+    return f"{room}@{index}/{count}"
 
 
 def as_groups(blocks: Sequence[int] | Sequence[Sequence[int]]) -> Blocks:

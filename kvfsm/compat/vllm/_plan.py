@@ -32,9 +32,11 @@ cache's groups are clipped to what a transfer moves, as vLLM's
 NixlConnector clips them (`GroupShape`): a sliding-window group keeps its
 in-window tail, a Mamba group its one state-bearing block. A request from
 a prefill of another tensor-parallel size that this engine's workers
-cannot slice or merge (`unequal_tp`, given by the facade) is computed
-locally, and the prefill is told at once to free its blocks (counted in
-`stats.refused_tp`): its blocks are never left to a deadline.
+cannot slice or merge (`_tp_problem`) is computed locally, and the prefill
+is told at once to free its blocks (counted in `stats.refused_tp`): its
+blocks are never left to a deadline. A decode's lease renewals carry its
+TP size; a prefill of a smaller one then holds each request's heads in
+slices, one per decode rank it serves (`StepPlan.slices`).
 
 A prefill's hold is also a lease (`_leases`): the decode's half renews it
 for each request it intends to load, the prefill's half expires the
@@ -147,9 +149,11 @@ class StepPlan:
     abort: list[AbortSpec] = attrs.Factory(list)
     #: Prefill: held requests whose lease expired (free them unless a decode claimed them).
     expire: list[str] = attrs.Factory(list)
+    #: Prefill: (request, k): a decode of k times this TP size loads it; hold its heads in k slices.
+    slices: list[tuple[str, int]] = attrs.Factory(list)
 
     def __bool__(self) -> bool:
-        return bool(self.recv or self.send or self.abort or self.expire)
+        return bool(self.recv or self.send or self.abort or self.expire or self.slices)
 
 
 @attrs.define(slots=True)
@@ -213,7 +217,11 @@ class SchedulerHalf:
         lease = config.lease_duration if renewals is not None else None
         self.renewals = renewals
         self.leases = LeaseBook(lease, clock) if lease is not None else None
-        self.renewer = LeaseRenewer(lease, clock, renewals) if lease is not None and renewals is not None else None
+        self.renewer = (
+            LeaseRenewer(lease, clock, renewals, tp_size) if lease is not None and renewals is not None else None
+        )
+        #: Held requests already sliced for a decode of a larger TP size.
+        self._sliced: set[str] = set()
         self._listening: bool | None = None
         self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
         self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
@@ -276,10 +284,15 @@ class SchedulerHalf:
             return None
         why = self.unequal_tp
         if why is None and remote < local:
-            why = (
-                "a decode of a larger TP size would need each prefill rank's heads split over several "
-                "decode ranks, which this connector does not do (the other way round, it merges them)"
-            )
+            if local % remote:
+                why = "a prefill rank's heads are split over a whole number of decode ranks"
+            elif self.renewer is None:
+                why = (
+                    "a prefill rank splits its heads for a decode of a larger TP size once the decode's "
+                    "lease renewals announce it, and leases are off here"
+                )
+            elif self.total_kv_heads is not None and self.total_kv_heads < local:
+                why = f"the model's {self.total_kv_heads} KV heads are replicated over {local} decode ranks"
         elif why is None and remote % local:
             why = "a decode merges the heads of a whole number of prefill ranks"
         elif why is None and self.total_kv_heads is not None and self.total_kv_heads < remote:
@@ -456,7 +469,13 @@ class SchedulerHalf:
             self.renewer.tick()
         if self.leases is None or self.renewals is None:
             return
-        renew_all(self.leases, self.engine_id, self.renewals.receive())
+        announced: dict[str, int] = {}
+        renew_all(self.leases, self.engine_id, self.renewals.receive(), announced)
+        for request_id, tp in announced.items():
+            sliceable = tp > self.tp_size and tp % self.tp_size == 0
+            if sliceable and request_id in self._held and request_id not in self._sliced:
+                self._sliced.add(request_id)
+                self._plan.slices.append((request_id, tp // self.tp_size))
         for request_id in self.leases.expired():
             if request_id not in self._held:
                 continue
@@ -504,6 +523,7 @@ class SchedulerHalf:
                 self._absorb("finished_sending", request_id, self.prefill)
                 continue
             del self._held[request_id]
+            self._sliced.discard(request_id)
             if self.leases is not None:
                 self.leases.end(request_id)
             held.transfer_started()

@@ -23,6 +23,11 @@ decode (receiver room, opened when vLLM parked the request for its KV)
                       prefill proved its writes stopped (ABORT_ACK), or after
                       `drain_timeout`, never earlier (DESIGN.md rule 13)
 
+Unequal tensor parallelism moves one page per block and KV head
+(`kv_pools_by_head`): a decode rank merges the heads of several prefill
+ranks (one room each) or loads its slice of one prefill rank's heads
+(that rank holds them in slice rooms once told, `StepPlan.slices`).
+
 A hybrid KV cache moves each KV cache group in a room of its own
 (`_params.group_room`), each with that group's blocks; a request is
 reported once every one of its rooms ended and is release-safe, and its
@@ -59,7 +64,7 @@ from ...backends.base import BackendError, KVBackend, KVPools, MemoryRegion, Tra
 from ...backends.local import LocalBackend
 from ...backends.remote import RemoteBackend, RemoteConfig
 from ._config import ConnectorConfig
-from ._params import RemoteSource, group_room
+from ._params import RemoteSource, group_room, slice_room
 from ._plan import AbortSpec, RecvSpec, SendSpec, StepPlan
 from ._stats import TransferStats, quarantined_pages_of
 
@@ -223,6 +228,9 @@ class _Part:
     started: bool = False
     #: Prefill: the blocks the send moves (the decode's cached prefix is not sent).
     sent_blocks: int = 0
+    #: Prefill: the heads this room sends of each block (all, or one decode rank's slice).
+    head_first: int = 0
+    head_count: int | None = None
 
 
 @attrs.define(slots=True, eq=False)
@@ -371,6 +379,8 @@ class WorkerHalf:
             self._abort(abort)
         for request_id in plan.expire:
             self._expire(request_id)
+        for request_id, count in plan.slices:
+            self._slice(request_id, count)
 
     def _start_send(self, spec: SendSpec) -> None:
         if self.prefill is None or self.sender is None:
@@ -407,13 +417,16 @@ class WorkerHalf:
         Equal TP: rank r from rank r, every head. A prefill of k times this
         decode's TP size: this rank's heads come from k prefill ranks, each
         rank's heads into their slice of this rank's blocks (per-head pages,
-        `kv_pools`). A prefill of a smaller TP size is the scheduler's to
-        refuse (its ranks would each serve several decode ranks).
+        `kv_pools`). A prefill of 1/k of it: every head from rank r / k,
+        which holds them in slice `r mod k` of k (`_slice`, `slice_room`).
         """
         remote, local = source.tp_size, self.tp_size
         if remote == local:
             return [(self.tp_rank, 0, self.page_heads or 0)]
         heads = self.page_heads
+        if heads is not None and remote < local and local % remote == 0:
+            # This rank's heads are a slice of one prefill rank's: that rank holds them in slice rooms.
+            return [(self.tp_rank // (local // remote), 0, heads)]
         if heads is None:
             return (
                 f"the prefill runs TP {remote} and this decode TP {local}: its heads can be merged only "
@@ -486,6 +499,9 @@ class WorkerHalf:
                     if not held:
                         continue  # nothing held there for this group: no room
                     room = group_room(spec.room, group)
+                    if spec.source.tp_size < self.tp_size and not spec.release_only:
+                        split = self.tp_size // spec.source.tp_size
+                        room = slice_room(room, self.tp_rank % split, split)
                     try:
                         handle = manager.open(room)
                     except DuplicateRoom:
@@ -580,6 +596,42 @@ class WorkerHalf:
             if part.handle.state is KVPoll.Bootstrapping:
                 part.handle.fail(FailureReason(FailureKind.TIMEOUT, "lease expired: the decode stopped renewing it"))
 
+    def _slice(self, request_id: str, count: int) -> None:
+        """A decode of `count` times this TP size loads the request: hold its heads in `count` slices.
+
+        Each decode rank claims the slice of this rank's heads it holds
+        (`_params.slice_room`); the whole-block rooms, which no decode will
+        claim now, are retired (closed once release-safe).
+        """
+        transfer = self._sending.get(request_id)
+        heads = self.page_heads
+        if transfer is None or self.prefill is None or self.sender is None:
+            return
+        if heads is None or heads % count:
+            logger.error(
+                "kvfsm: request %s: a decode of %d times this TP size cannot load %s KV heads per rank in slices",
+                request_id,
+                count,
+                heads,
+            )
+            return
+        per = heads // count
+        parts: list[_Part] = []
+        for part in transfer.parts:
+            if part.head_count is not None or part.handle.state is not KVPoll.Bootstrapping:
+                parts.append(part)  # already a slice, or claimed: it goes on
+                continue
+            part.handle.abort(f"held in {count} slices of its heads instead, for a decode of a larger TP size")
+            self._releasing.append(part.handle)
+            for index in range(count):
+                try:
+                    handle = self.prefill.open(slice_room(str(part.handle.room), index, count))
+                except DuplicateRoom:
+                    continue
+                parts.append(_Part(handle, part.blocks, head_first=index * per, head_count=per))
+                self._bootstrap(self.sender, handle, self.sender.address)
+        transfer.parts = parts
+
     # -- each step's report (get_finished) -------------------------------------------------------
 
     def poll(self) -> tuple[set[str], set[str], set[str]]:
@@ -622,7 +674,7 @@ class WorkerHalf:
             return
         part.started = True
         held = len(part.blocks)
-        heads = self.page_heads or 1
+        heads = part.head_count or self.page_heads or 1
         blocks = wanted // heads
         if wanted % heads or blocks > held:
             handle.fail(
@@ -634,7 +686,7 @@ class WorkerHalf:
             return
         part.sent_blocks = blocks
         try:
-            self.sender.send(handle, self._pages(part.blocks[held - blocks :], 0, heads), last=True)
+            self.sender.send(handle, self._pages(part.blocks[held - blocks :], part.head_first, heads), last=True)
         except TransferInputError as exc:  # the backend failed the room with this reason
             logger.error("kvfsm: sending room %s failed: %s", handle.room, exc)
 
