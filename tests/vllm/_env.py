@@ -2,7 +2,10 @@
 
 vLLM builds a `ModelConfig` from a Hugging Face model name; the tests use
 facebook/opt-125m (as vLLM's own tests do) and ship only its config.json,
-installed here into a private offline hub cache. Must run before vLLM is
+installed here into a private offline hub cache. The real engines run
+`TINY`, an OPT of two layers and four heads of 64 (the CPU attention's
+smallest head size) under a local name, config only: their weights are
+dummies, re-seeded in every process (`llm_peer`). Must run before vLLM is
 imported (its settings are read at import time).
 """
 
@@ -16,7 +19,11 @@ import tempfile
 from pathlib import Path
 
 MODEL = "facebook/opt-125m"
-_CONFIG = Path(__file__).with_name("opt-125m-config.json")
+TINY = "kvfsm-test/tiny-opt"
+_CONFIGS = {
+    MODEL: Path(__file__).with_name("opt-125m-config.json"),
+    TINY: Path(__file__).with_name("tiny-opt-config.json"),
+}
 _REVISION = "0" * 40
 
 
@@ -36,12 +43,13 @@ def prepare() -> Path:
         return Path(existing)
     hub = Path(tempfile.mkdtemp(prefix="kvfsm-hub-"))
     atexit.register(shutil.rmtree, hub, True)
-    repo = hub / ("models--" + MODEL.replace("/", "--"))
-    snapshot = repo / "snapshots" / _REVISION
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(_REVISION)
-    shutil.copy(_CONFIG, snapshot / "config.json")
+    for model, config in _CONFIGS.items():
+        repo = hub / ("models--" + model.replace("/", "--"))
+        snapshot = repo / "snapshots" / _REVISION
+        snapshot.mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(_REVISION)
+        shutil.copy(config, snapshot / "config.json")
     os.environ.update(
         {
             "KVFSM_TEST_HUB": str(hub),

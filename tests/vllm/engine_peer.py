@@ -149,6 +149,7 @@ class _Endpoint:
             "drain_deadline_releases": 0 if stats is None else stats.drain_deadline_releases,
             "quarantined": 0 if stats is None else stats.quarantined,
             "worker": None if worker is None else str(worker.stats),
+            "scheduler": str(getattr(self.engine.connector.scheduler_half, "stats", None)),
         }
 
 

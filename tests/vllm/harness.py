@@ -30,7 +30,13 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -82,11 +88,21 @@ def vllm_config(
     return config
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
+#: The sliding window of `hybrid=True` engines' second KV cache group, in tokens.
+WINDOW = 2 * BLOCK_SIZE
+
+
+def kv_cache_config(num_blocks: int, hybrid: bool = False) -> KVCacheConfig:
+    """One full-attention group over LAYERS, or (`hybrid`) LAYERS[0] full and LAYERS[1] sliding-window."""
+    common: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_kv_heads": HEADS, "head_size": HEAD_SIZE}
+    full = FullAttentionSpec(**common, dtype=torch.float32)
+    if not hybrid:
+        return KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), full)]
+        )
+    window: KVCacheSpec = SlidingWindowSpec(**common, dtype=torch.float32, sliding_window=WINDOW)
+    groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], window)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def pattern(tokens: list[int], layer: int) -> torch.Tensor:
@@ -126,9 +142,17 @@ class Engine:
         extra: dict[str, Any] | None = None,
         policy: str = "fail",
         num_blocks: int = 64,
+        hybrid: bool = False,
+        dp_index: int = 0,
     ) -> None:
+        """`hybrid`: two KV cache groups (full attention, sliding window) sharing one KV tensor, as
+        vLLM's hybrid KV cache manager lays them out (one layer of each group per tensor)."""
         self.config = vllm_config(kv_role, engine_id=engine_id, extra=extra, policy=policy)
-        self.kv_config = kv_cache_config(num_blocks)
+        self.config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
+        # A data-parallel rank, as vLLM's engine core sets it in each DP rank's process.
+        self.config.parallel_config.data_parallel_index = dp_index
+        self.hybrid = hybrid
+        self.kv_config = kv_cache_config(num_blocks, hybrid)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -139,10 +163,17 @@ class Engine:
         )
         self.worker = KVFSMConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
         # Per layer [num_blocks, 2 (K, V), block_size, heads, head_size]: block-first, like LBNHC.
-        self.kv = {name: torch.zeros(num_blocks, 2, BLOCK_SIZE, HEADS, HEAD_SIZE) for name in LAYERS}
+        # Hybrid: both layers (one per group) view the same tensor; each block id is one group's.
+        shared = torch.zeros(num_blocks, 2, BLOCK_SIZE, HEADS, HEAD_SIZE) if hybrid else None
+        self.kv = {
+            name: shared if shared is not None else torch.zeros(num_blocks, 2, BLOCK_SIZE, HEADS, HEAD_SIZE)
+            for name in LAYERS
+        }
         self.worker.register_kv_caches(self.kv)
         #: Per step: the request ids the workers reported (sending, recving, failed) and load errors.
         self.reports: list[tuple[set[str], set[str], set[str], set[int]]] = []
+        #: The `kv_connector_stats` payloads of vLLM's scheduler stats, one per step that had any.
+        self.connector_stats: list[dict[str, Any]] = []
 
     @property
     def connector(self) -> KVFSMConnector:
@@ -161,6 +192,10 @@ class Engine:
         connector_output = self._worker_step(output)
         model_output = self._model_output(output, connector_output)
         outputs = self.scheduler.update_from_output(output, model_output)
+        for client in outputs.values():
+            stats = client.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
         return [o for client in outputs.values() for o in client.outputs]
 
     def _worker_step(self, output: SchedulerOutput) -> KVConnectorOutput:
@@ -175,40 +210,55 @@ class Engine:
         self.reports.append(
             (set(results.finished_sending), set(results.finished_recving), set(results.failed_recving), set(errors))
         )
+        # As vLLM's model runner (`KVConnectorModelRunnerMixin`): the worker's stats ride on its output.
         return KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
             invalid_block_ids=errors,
+            kv_connector_stats=worker.get_kv_connector_stats(),
         )
+
+    def _layer_blocks(self, request_id: str) -> list[list[int]]:
+        """Each layer's block ids of a request (a layer's group's blocks)."""
+        groups = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+        return [list(groups[layer]) for layer in range(len(LAYERS))] if self.hybrid else [list(groups[0])] * 2
 
     def _compute(self, output: SchedulerOutput) -> None:
         """The fake forward: write each scheduled prompt token's pattern into its block."""
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
-            (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+            layer_blocks = self._layer_blocks(request_id)
             start = request.num_computed_tokens - count
             prompt = request.prompt_token_ids or []
             for position in range(start, min(start + count, len(prompt))):
                 block, slot = divmod(position, BLOCK_SIZE)
                 for layer, name in enumerate(LAYERS):
-                    self.kv[name][blocks[block], :, slot] = pattern([prompt[position]], layer)[:, 0]
+                    target = layer_blocks[layer][block]
+                    if target != 0:  # 0: vLLM's null block (a sliding window's skipped blocks)
+                        self.kv[name][target, :, slot] = pattern([prompt[position]], layer)[:, 0]
 
     def _model_output(self, output: SchedulerOutput, connector_output: KVConnectorOutput) -> ModelRunnerOutput:
         return model_output(self.scheduler, output, connector_output)
 
     def blocks_of(self, request_id: str) -> list[int]:
-        (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
-        return list(blocks)
+        return self._layer_blocks(request_id)[0]
 
     def check_blocks(self, request_id: str, tokens: list[int], first_block: int = 0) -> list[int]:
-        """Indices (from `first_block`) of this request's blocks that do not hold `tokens`' pattern."""
+        """Indices (from `first_block`) of this request's blocks that do not hold `tokens`' pattern.
+
+        A hybrid engine's sliding-window layer is checked on the blocks of its window only.
+        """
         wrong = []
-        blocks = self.blocks_of(request_id)
-        for index in range(first_block, (len(tokens) + BLOCK_SIZE - 1) // BLOCK_SIZE):
+        layer_blocks = self._layer_blocks(request_id)
+        count = (len(tokens) + BLOCK_SIZE - 1) // BLOCK_SIZE
+        window_from = count - (-(-WINDOW // BLOCK_SIZE) + 1) if self.hybrid else 0
+        for index in range(first_block, count):
             chunk = tokens[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
             for layer, name in enumerate(LAYERS):
-                if not torch.equal(self.kv[name][blocks[index]], pattern(chunk, layer)):
+                if self.hybrid and layer == 1 and index < window_from:
+                    continue
+                if not torch.equal(self.kv[name][layer_blocks[layer][index]], pattern(chunk, layer)):
                     wrong.append(index)
                     break
         return wrong

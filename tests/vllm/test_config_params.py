@@ -8,7 +8,14 @@ import pytest
 
 from kvfsm import ConfigError, Timeouts
 from kvfsm.compat.vllm._config import DEFAULT_PORT, ConnectorConfig
-from kvfsm.compat.vllm._params import RemoteSource, flat_block_ids, parse_source, prefill_params, room_id
+from kvfsm.compat.vllm._params import (
+    RemoteSource,
+    flat_block_ids,
+    group_room,
+    parse_source,
+    prefill_params,
+    room_id,
+)
 
 
 def test_defaults_and_the_timeouts_each_side_gets() -> None:
@@ -68,7 +75,7 @@ def test_prefill_params_round_trip_into_the_decodes_source() -> None:
     params = _params()
     assert params["remote_block_ids"] == [[3, 4]]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    source = parse_source(params, tp_size=1)
+    source = parse_source(params)
     assert source == RemoteSource("P", "r1", "h", 14579, (3, 4), 1)
     assert isinstance(source, RemoteSource) and source.room == room_id("P", "r1") == "P/r1"
 
@@ -84,9 +91,8 @@ def test_nixl_style_params_are_read_too() -> None:
             "remote_host": "my-host",
             "remote_port": 1234,
         },
-        tp_size=1,
     )
-    assert isinstance(source, RemoteSource) and source.block_ids == (0, 1, 2)
+    assert isinstance(source, RemoteSource) and source.block_ids == ((0, 1, 2),)
 
 
 @pytest.mark.parametrize(
@@ -98,16 +104,36 @@ def test_nixl_style_params_are_read_too() -> None:
         ({"remote_port": "80"}, "'remote_port'] must be a port number"),
         ({"remote_port": 0}, "'remote_port'] must be a port number"),
         ({"tp_size": 0}, "'tp_size'] must be an int >= 1"),
-        ({"tp_size": 2}, "heterogeneous TP is not supported"),
-        ({"remote_block_ids": [[1], [2]]}, "2 KV cache groups"),
+        ({"remote_block_ids": [[1], [2]]}, "2 KV cache group(s) and this engine 1"),
         ({"remote_block_ids": [1, -2]}, "block ids (ints >= 0)"),
         ({"remote_block_ids": "12"}, "must be a list of block ids"),
         ({"remote_block_ids": [True]}, "block ids (ints >= 0)"),
     ],
 )
 def test_unusable_params_say_why(override: dict[str, Any], message: str) -> None:
-    problem = parse_source(_params(**override), tp_size=1)
+    problem = parse_source(_params(**override))
     assert isinstance(problem, str) and message in problem
+
+
+def test_a_prefill_of_another_tp_size_parses_its_size_is_the_schedulers_to_judge() -> None:
+    source = parse_source(_params(tp_size=2))
+    assert isinstance(source, RemoteSource) and source.tp_size == 2
+
+
+def test_hybrid_block_ids_stay_per_group() -> None:
+    params = prefill_params(engine_id="P", request_id="r", host="h", port=1, block_ids=[[1, 2], [], [9]], tp_size=1)
+    assert params["remote_block_ids"] == [[1, 2], [], [9]]
+    source = parse_source(params, groups=3)
+    assert isinstance(source, RemoteSource) and source.block_ids == ((1, 2), (), (9,))
+    # A decode with fewer groups cannot match them group by group; with more, the missing are empty.
+    problem = parse_source(params, groups=2)
+    assert isinstance(problem, str) and "3 KV cache group(s) and this engine 2" in problem
+    more = parse_source(params, groups=4)
+    assert isinstance(more, RemoteSource) and more.block_ids == ((1, 2), (), (9,), ())
+    # No blocks at all (a prefill that held none) fits any number of groups.
+    empty = parse_source({**params, "remote_block_ids": [[]]}, groups=3)
+    assert isinstance(empty, RemoteSource) and empty.block_ids == ((), (), ())
+    assert group_room("P/r", 0) == "P/r" and group_room("P/r", 2) == "P/r#g2"
 
 
 def test_block_id_forms() -> None:
@@ -128,3 +154,38 @@ def test_importing_kvfsm_and_the_connector_package_does_not_import_vllm() -> Non
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_vllm_extra_brings_the_default_backend_and_the_control_plane() -> None:
+    import configparser
+    from pathlib import Path
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).parents[2] / "setup.cfg")
+    extra = [line.split(">")[0].split("=")[0].strip() for line in setup["options.extras_require"]["vllm"].split("\n")]
+    assert ConnectorConfig().backend == "mooncake"
+    assert {"mooncake-transfer-engine-non-cuda", "pyzmq"} <= set(extra)
+
+
+def test_a_missing_default_backend_says_which_install_brings_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvfsm.backends import BackendError
+    from kvfsm.compat.vllm import _worker
+
+    def missing(self: Any, manager: Any, port: int) -> Any:
+        raise BackendError("MooncakeBackend needs Mooncake Transfer Engine")
+
+    monkeypatch.setattr(_worker.WorkerHalf, "_make_backend", missing)
+    half = _worker.WorkerHalf(ConnectorConfig(), engine_id="E", tp_rank=0, num_blocks=2, producer=True, consumer=False)
+    with pytest.raises(BackendError, match=r"pip install 'kvfsm\[vllm\]'"):
+        half.register({"l": torch.zeros(2, 4)})
+
+
+def test_the_lease_is_thirty_seconds_by_default_configurable_and_can_be_switched_off() -> None:
+    assert ConnectorConfig.from_extra({}).lease_duration == 30.0
+    assert ConnectorConfig.from_extra({"lease_duration": 5}).lease_duration == 5.0
+    assert ConnectorConfig.from_extra({"lease_duration": None}).lease_duration is None
+    for bad in (0, -1, "30", True, float("inf")):
+        with pytest.raises(ConfigError, match="'lease_duration'"):
+            ConnectorConfig.from_extra({"lease_duration": bad})

@@ -30,11 +30,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    SlidingWindowSpec,
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm import ConfigError, FailureKind  # noqa: E402
+from kvfsm import ConfigError, FailureKind, KVPoll  # noqa: E402
 from kvfsm.compat.vllm import KVFSMConnector, KVFSMConnectorMetadata  # noqa: E402
 from kvfsm.compat.vllm._plan import RecvSpec, SendSpec, StepPlan  # noqa: E402
 
@@ -163,8 +162,8 @@ def test_unusable_params_make_the_decode_compute_locally(engines: Callable[..., 
         "remote_request_id": "p1",
         "remote_block_ids": [[1, 2]],
         "remote_host": "h",
-        "remote_port": 1,
-        "tp_size": 8,
+        "remote_port": 0,
+        "tp_size": 1,
     }
     tokens = list(range(20))
     request = d.add(make_request("d1", tokens, max_tokens=2, params=params))
@@ -174,13 +173,39 @@ def test_unusable_params_make_the_decode_compute_locally(engines: Callable[..., 
     assert d.connector.scheduler_half is not None and d.connector.scheduler_half.stats.invalid_params == 1
 
 
-def test_a_hybrid_kv_cache_is_refused_with_the_way_out() -> None:
-    config = vllm_config("kv_consumer", engine_id="e")
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=64)
-    groups = [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)]
-    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
-        KVFSMConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(10, [], groups))
+def test_a_hybrid_kv_cache_moves_every_group_with_its_own_blocks(engines: Callable[..., Engine]) -> None:
+    # Full attention and a sliding window in one KV tensor (vLLM's hybrid layout): each
+    # group's blocks are other block ids, and the window keeps only its tail.
+    p = engines("kv_producer", extra=LOCAL, hybrid=True)
+    d = engines("kv_consumer", extra=LOCAL, hybrid=True)
+    tokens = list(range(300, 300 + 5 * BLOCK_SIZE + 3))
+    params = prefill(p, "p1", tokens)
+    full, window = params["remote_block_ids"]
+    assert len(full) == 6 and len(window) == 3 and set(full).isdisjoint(window)
+    request = d.add(make_request("d1", tokens, max_tokens=3, params=params))
+    run_until([p, d], lambda: any("d1" in report[1] for report in d.reports))
+    assert not any("d1" in report[2] for report in d.reports), "the load did not fail"
+    assert d.check_blocks("d1", tokens) == []
+    run_until([p, d], lambda: request.is_finished() and p.empty() and d.empty())
+    assert request.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    prefill_worker = p.worker.worker_half
+    assert prefill_worker is not None and prefill_worker.prefill is not None
+    assert prefill_worker.prefill.stats.final_states[KVPoll.Success] == 2  # one room per group
+
+
+def test_a_hybrid_load_that_fails_is_reported_by_request_not_by_block(engines: Callable[..., Engine]) -> None:
+    # vLLM raises on block-level errors with several KV cache groups (block ids repeat across groups).
+    p = engines("kv_producer", extra=LOCAL, hybrid=True)
+    d = engines("kv_consumer", extra=LOCAL, hybrid=True)
+    tokens = list(range(40))
+    params = prefill(p, "p1", tokens)
+    p.step()
+    request = d.add(make_request("d1", tokens, max_tokens=4, params=params))
+    d.step()
+    p.worker.shutdown()
+    run_until([d], d.empty, steps=50)
+    assert request.status is RequestStatus.FINISHED_ERROR
+    assert any("d1" in report[2] for report in d.reports) and not any(report[3] for report in d.reports)
 
 
 def test_unknown_settings_are_refused_at_start() -> None:

@@ -84,11 +84,11 @@ def test_a_decode_loads_the_prompt_beyond_its_local_hits() -> None:
     assert (recv.request_id, recv.room, recv.blocks, recv.problem, recv.release_only) == (
         "d1",
         "P/p1",
-        (7, 8),
+        ((7, 8),),
         None,
         False,
     )
-    assert recv.source is not None and recv.source.block_ids == (0, 1, 2)
+    assert recv.source is not None and recv.source.block_ids == ((0, 1, 2),)
     assert plan.decode.status("d1") is KVPoll.WaitingForInput
     assert plan.notices(None, {"d1"}) == (set(), {"d1"})
     assert plan.decode.stats.final_states[KVPoll.Success] == 1
@@ -118,7 +118,7 @@ def test_a_full_local_hit_releases_the_prefills_blocks() -> None:
     plan = half()
     plan.after_alloc("d1", decode_params(), [], 0)
     (recv,) = plan.build().recv
-    assert recv.release_only and recv.blocks == () and recv.room == "P/p1"
+    assert recv.release_only and recv.blocks == ((),) and recv.room == "P/p1"
     assert "d1" not in plan.decode and plan.stats.releases == 1
 
 
@@ -130,9 +130,23 @@ def test_an_early_abort_releases_the_prefills_blocks() -> None:
     assert recv.release_only and params["do_remote_prefill"] is False
 
 
+def test_a_prefill_of_a_tp_size_the_workers_cannot_map_is_released_at_once_never_left_pinned() -> None:
+    # Issue 20: the decode computed locally and sent no release; the prefill's blocks stayed
+    # pinned until its hold deadline (480 s).
+    plan = half()
+    other = {**decode_params(), "tp_size": 4}
+    assert plan.matched_tokens(other, 40, 0) == (0, False)
+    plan.after_alloc("d1", other, [], 0)
+    (recv,) = plan.build().recv
+    assert recv.release_only and recv.room == "P/p1"
+    assert plan.stats.refused_tp == 1 and plan.stats.invalid_params == 0
+    report = plan.report()
+    assert report is not None and report["refused_tp"] == 1
+
+
 def test_unusable_params_compute_locally_or_fail_the_parked_load() -> None:
     plan = half()
-    bad = {**decode_params(), "tp_size": 4}
+    bad = {**decode_params(), "remote_port": "x"}
     assert plan.matched_tokens(bad, 40, 0) == (0, False)
     plan.after_alloc("d1", bad, [], 0)
     assert not plan.build() and plan.stats.invalid_params == 1

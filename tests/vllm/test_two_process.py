@@ -149,3 +149,36 @@ def test_a_killed_prefill_fails_the_waiting_load_and_frees_it_after_the_drain_de
         assert decode["load"]["failed"] and decode["drain_deadline_releases"] == 1
     finally:
         pair.stop()
+
+
+def test_a_waiting_decode_keeps_its_prefills_hold_by_lease_and_a_killed_one_frees_it_in_a_lease(
+    mooncake: None,
+) -> None:
+    # Issue 20 / vLLM #41383: a hold for a dead decode was pinned for hold_timeout (480 s).
+    lease = 3.0  # renewed every 0.5 s: a decode stalled that long by a busy host still renews in time
+    engine = f"prefill-{next(_ids)}"
+    common: dict[str, Any] = {"backend": "mooncake", "heartbeat_interval": 0.1, "lease_duration": lease}
+    prefill = EnginePeer("kv_producer", engine, {**common, "port": free_port(), "hold_timeout": 120})
+    decode = EnginePeer("kv_consumer", f"decode-{next(_ids)}", {**common, "max_inflight_loads": 1})
+    try:
+        prefill.ready()
+        decode.ready()
+        tokens = tokens_for(5, 2.5)
+        params = prefill.prefill("p5", tokens)
+        # The decode's one load slot is taken by a load of a request the prefill never held (its
+        # claim waits for a hold that never comes), so the request for p5 waits in vLLM's queue:
+        # the decode intends to load it, and renews its lease.
+        nowhere = {**params, "remote_request_id": "never-held"}
+        decode.add("d-stuck", tokens_for(6, 1.5), nowhere, 2)
+        decode.add("d5", tokens, params, 2)
+        stepping = decode.start("run", "never", None, 4 * lease, timeout=4 * lease + 30)
+        held = prefill.run("never", None, 4 * lease, timeout=4 * lease + 30)
+        assert not held["empty"] and held["failure_kinds"] == {}, "renewed: still held after four leases"
+        stepping.result()
+        decode.kill()
+        freed = prefill.run("empty", None, 3 * lease + 10, timeout=3 * lease + 40)
+        assert freed["reached"] and freed["failure_kinds"] == {"timeout": 1}
+        assert "expired_leases=1" in str(freed["scheduler"])
+    finally:
+        decode.stop()
+        prefill.stop()

@@ -12,14 +12,9 @@ are vLLM's, unchanged but for their package name):
 1. `utils.create_vllm_config` defaults to `kv_connector="KVFSMConnector"`
    and `kv_connector_module_path="kvfsm.compat.vllm"` instead of
    `"NixlConnector"`; a test naming its own connector keeps it.
-2. The tests that build a hybrid KV cache (sliding-window or Mamba
-   groups with the hybrid KV cache manager on) are expected to fail with
-   `kvfsm.ConfigError` when vLLM constructs the connector: kvfsm's first
-   version refuses hybrid KV caches, as its guide says (`HYBRID_TESTS`,
-   strict xfail: a pass would be reported as a failure).
-3. The environment: CPU platform, Hugging Face offline with a hub cache
+2. The environment: CPU platform, Hugging Face offline with a hub cache
    holding only facebook/opt-125m's config.json (`_env.prepare`).
-4. vLLM's `cpu_test` marker is registered (this repository runs pytest
+3. vLLM's `cpu_test` marker is registered (this repository runs pytest
    with `--strict-markers`).
 """
 
@@ -38,18 +33,6 @@ _env.prepare()
 
 CONNECTOR = os.environ.get("KVFSM_UPSTREAM_CONNECTOR", "kvfsm")
 _UTILS = "vllm_upstream_tests.v1.kv_connector.unit.utils"
-
-#: Tests whose KV cache kvfsm refuses on purpose (more than one group, or Mamba).
-HYBRID_TESTS = frozenset(
-    {
-        "test_remote_prefill_lifecycle.py::test_p_side_chunked_prefill_mamba",
-        "test_remote_prefill_lifecycle.py::test_async_load_reserves_blocks_for_promotion_margin[multiple-groups]",
-        "test_remote_prefill_lifecycle.py::test_async_load_reserves_blocks_for_promotion_margin[different-block-sizes]",
-        "test_remote_prefill_lifecycle.py::test_async_load_does_not_double_reserve_mamba_spec_blocks[none-128-18]",
-        "test_remote_prefill_lifecycle.py::test_async_load_does_not_double_reserve_mamba_spec_blocks[align-16-18]",
-        "test_kv_load_failure_recovery.py::test_block_level_load_failure_fails_closed_with_multiple_groups",
-    }
-)
 
 
 def _select_kvfsm(utils: Any) -> None:
@@ -85,17 +68,3 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"vLLM's lifecycle tests with connector: {CONNECTOR}"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if CONNECTOR != "kvfsm":
-        return
-    from kvfsm import ConfigError
-
-    for item in items:
-        if item.nodeid.rpartition("/")[2] in HYBRID_TESTS:
-            item.add_marker(
-                pytest.mark.xfail(
-                    strict=True, raises=ConfigError, reason="kvfsm's vLLM connector refuses hybrid KV caches"
-                )
-            )

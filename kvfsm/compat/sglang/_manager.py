@@ -369,7 +369,7 @@ class KVManager:
         room id no generation of which holds pages here is safe.
         """
         self.collect_orphans()
-        return not self.transfer_manager.holds_pages(bootstrap_room)
+        return not self.transfer_manager.holds_pages(fit_room_id(bootstrap_room))
 
     def clear_deferred_abort_state(self, bootstrap_room: RoomId) -> None:
         """SGLang forgets the room's ACK tracker here; kvfsm's gate lives in the room (closed by `clear()`)."""

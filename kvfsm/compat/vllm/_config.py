@@ -54,7 +54,10 @@ class ConnectorConfig:
     engine's prefill workers listen (rank r on `port + r`); a decode learns
     them from the request's `kv_transfer_params`. Deadlines, in seconds:
     `hold_timeout` bounds how long a prefill keeps a finished request's
-    blocks for a decode that never comes; `bootstrap_timeout` the decode's
+    blocks for a decode that never comes, and `lease_duration` (null: no
+    lease) how long it keeps them without a renewal from the decode, which
+    renews every `lease_duration / 6` seconds while it intends to load them
+    (`_leases`); `bootstrap_timeout` the decode's
     handshake with its prefill; `waiting_timeout` the wait for the first
     bytes once both sides know each other; `transfer_timeout` the transfer
     itself (null: none); `drain_timeout` how long a failed room's blocks
@@ -78,6 +81,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     hold_timeout: float = 480.0
+    lease_duration: float | None = 30.0
     bootstrap_timeout: float = 60.0
     waiting_timeout: float = 300.0
     transfer_timeout: float | None = 120.0
@@ -123,6 +127,7 @@ class ConnectorConfig:
             host=host,
             port=_int("port", extra.get("port", kv_port), 1, 65535),
             hold_timeout=seconds("hold_timeout"),
+            lease_duration=_seconds_or_none("lease_duration", extra.get("lease_duration", defaults.lease_duration)),
             bootstrap_timeout=seconds("bootstrap_timeout"),
             waiting_timeout=seconds("waiting_timeout"),
             transfer_timeout=_seconds_or_none(

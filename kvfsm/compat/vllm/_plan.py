@@ -30,28 +30,49 @@ and logged, never raised. The decode's abort goes through the machine
 (`handle.abort`), so a notice arriving after it is a late event that cannot
 turn the room back into a success.
 
+Block ids are kept per KV cache group (`_params.Blocks`). A hybrid KV
+cache's groups are clipped to what a transfer moves, as vLLM's
+NixlConnector clips them (`GroupShape`): a sliding-window group keeps its
+in-window tail, a Mamba group its one state-bearing block. A request from
+a prefill of another tensor-parallel size that this engine's workers
+cannot slice or merge (`_tp_problem`) is computed locally, and the prefill
+is told at once to free its blocks (counted in `stats.refused_tp`): its
+blocks are never left to a deadline. A decode's lease renewals carry its
+TP size; a prefill of a smaller one then holds each request's heads in
+slices, one per decode rank it serves (`StepPlan.slices`).
+
+A prefill's hold is also a lease (`_leases`): the decode's half renews it
+for each request it intends to load, the prefill's half expires the
+leases nobody renewed, on a manager's deadlines, once per step, and tells
+the workers to free those holds (`StepPlan.expire`) unless a decode
+already claimed them.
+
 Nothing here waits: the deadlines that bound how long blocks stay held run
-on the workers' rooms (`_worker.py`), where the bytes move. This module
+on the workers' rooms (`_worker.py`), where the bytes move, and on the
+lease book. This module
 imports neither vLLM nor torch; `_connector.py` feeds it plain values.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import attrs
 
-from ..._errors import DuplicateRoom, UnknownRoom
+from ..._errors import ConfigError, DuplicateRoom, UnknownRoom
 from ..._lifecycle import Timeouts
 from ..._manager import TransferHandle, TransferManager
 from ..._states import FailureKind, FailureReason, KVPoll, Role, RoomId
 from .._room_ids import fit_text
 from ._config import ConnectorConfig
-from ._params import RemoteSource, parse_source, prefill_params, room_id
+from ._leases import LeaseBook, LeaseRenewer, Renewals, renew_all
+from ._params import Blocks, RemoteSource, as_groups, parse_source, prefill_params, room_id
+from ._stats import TransferStats
 
-__all__ = ["AbortSpec", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
+__all__ = ["AbortSpec", "GroupShape", "RecvSpec", "SchedulerHalf", "SchedulerStats", "SendSpec", "StepPlan"]
 
 logger = logging.getLogger("kvfsm.compat.vllm")
 
@@ -60,8 +81,41 @@ _NO_DEADLINES = Timeouts(bootstrap=None, waiting=None, transferring=None, drain=
 
 
 @attrs.frozen(slots=True)
+class GroupShape:
+    """Which of a KV cache group's blocks a transfer moves.
+
+    `kind` "full": every block; "window": a sliding-window group, its last
+    `keep` blocks (the window, plus one for a window that is not aligned
+    with the blocks); "state": a Mamba group, its one state-bearing block
+    (`keep`: the speculative scratch blocks after it, dropped).
+    """
+
+    kind: str = "full"
+    keep: int = 0
+
+    def clip(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        if not blocks:
+            return blocks
+        if self.kind == "window" and self.keep:
+            return blocks[-self.keep :]
+        if self.kind == "state":
+            scratch = min(self.keep, len(blocks) - 1)
+            return (blocks[: len(blocks) - scratch])[-1:]
+        return blocks
+
+
+FULL = (GroupShape(),)
+
+
+def _clip(shapes: tuple[GroupShape, ...], blocks: Blocks) -> Blocks:
+    if len(blocks) != len(shapes):
+        return blocks
+    return tuple(shape.clip(group) for shape, group in zip(shapes, blocks, strict=True))
+
+
+@attrs.frozen(slots=True)
 class RecvSpec:
-    """Decode worker: load `blocks` from `source` (or only tell it to free, `release_only`).
+    """Decode worker: load `blocks` (per KV cache group) from `source`, or only tell it to free (`release_only`).
 
     `problem` set: the request cannot load (bad params); the worker fails it at once.
     """
@@ -69,18 +123,18 @@ class RecvSpec:
     request_id: str
     room: str
     source: RemoteSource | None
-    blocks: tuple[int, ...]
+    blocks: Blocks = attrs.field(converter=as_groups)
     problem: str | None = None
     release_only: bool = False
 
 
 @attrs.frozen(slots=True)
 class SendSpec:
-    """Prefill worker: hold `blocks` for the decode that will claim `room`."""
+    """Prefill worker: hold `blocks` (per KV cache group) for the decode that will claim `room`."""
 
     request_id: str
     room: str
-    blocks: tuple[int, ...]
+    blocks: Blocks = attrs.field(converter=as_groups)
 
 
 @attrs.frozen(slots=True)
@@ -98,9 +152,13 @@ class StepPlan:
     recv: list[RecvSpec] = attrs.Factory(list)
     send: list[SendSpec] = attrs.Factory(list)
     abort: list[AbortSpec] = attrs.Factory(list)
+    #: Prefill: held requests whose lease expired (free them unless a decode claimed them).
+    expire: list[str] = attrs.Factory(list)
+    #: Prefill: (request, k): a decode of k times this TP size loads it; hold its heads in k slices.
+    slices: list[tuple[str, int]] = attrs.Factory(list)
 
     def __bool__(self) -> bool:
-        return bool(self.recv or self.send or self.abort)
+        return bool(self.recv or self.send or self.abort or self.expire or self.slices)
 
 
 @attrs.define(slots=True)
@@ -114,6 +172,10 @@ class SchedulerStats:
     deferred_lookups: int = 0
     invalid_params: int = 0
     absorbed_notices: int = 0
+    #: Loads from a prefill of another TP size these workers cannot map: computed locally, prefill told.
+    refused_tp: int = 0
+    #: Prefill holds whose lease expired (no renewal from their decode).
+    expired_leases: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -126,13 +188,51 @@ class _Load:
 class SchedulerHalf:
     """The scheduler side of the connector, fed plain values by the vLLM facade."""
 
-    def __init__(self, config: ConnectorConfig, *, engine_id: str, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        tp_size: int,
+        port: int | None = None,
+        groups: tuple[GroupShape, ...] = FULL,
+        unequal_tp: str | None = "this connector maps prefill and decode ranks one to one",
+        prefill_backoff: int = 0,
+        renewals: Renewals | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        total_kv_heads: int | None = None,
+    ) -> None:
+        """`port`: what the prefill's params name (this DP rank's first port; default `config.port`).
+        `groups`: one `GroupShape` per KV cache group. `unequal_tp`: why a prefill of
+        another TP size cannot be loaded from, or None when the workers merge heads
+        (from a prefill of a whole multiple of this TP size, `total_kv_heads` KV
+        heads in all, none replicated).
+        `prefill_backoff`: trailing prompt tokens a decode recomputes itself (Mamba's
+        last state, as NIXL's `_prefill_backoff`), so they are not loaded. `renewals`:
+        what carries leases (`_leases.LeaseChannel`); None, or `config.lease_duration`
+        null: no leases (holds last `hold_timeout`). `clock`: the leases' clock."""
         self.config = config
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.port = config.port if port is None else port
+        self.groups = groups
+        self.unequal_tp = unequal_tp
+        self.total_kv_heads = total_kv_heads
+        self.prefill_backoff = prefill_backoff
+        lease = config.lease_duration if renewals is not None else None
+        self.renewals = renewals
+        self.leases = LeaseBook(lease, clock) if lease is not None else None
+        self.renewer = (
+            LeaseRenewer(lease, clock, renewals, tp_size) if lease is not None and renewals is not None else None
+        )
+        #: Held requests already sliced for a decode of a larger TP size.
+        self._sliced: set[str] = set()
+        self._listening: bool | None = None
         self.prefill = TransferManager(Role.SENDER, timeouts=_NO_DEADLINES)
         self.decode = TransferManager(Role.RECEIVER, timeouts=_NO_DEADLINES)
         self.stats = SchedulerStats()
+        #: What vLLM's metrics get from this half (`report`).
+        self.transfer_stats = TransferStats()
         self._held: dict[str, TransferHandle] = {}
         self._loads: dict[str, _Load] = {}
         # Transfer rooms of the loads still open: a second load of the same prefill request waits.
@@ -167,6 +267,20 @@ class SchedulerHalf:
 
     # -- decode: matching and allocation ---------------------------------------------------
 
+    def new_request(self, request_id: str, params: Mapping[str, Any] | None) -> None:
+        """`on_new_request`: a request this decode intends to load starts renewing its prefill's lease."""
+        if self.renewer is None or not params or not params.get("do_remote_prefill"):
+            return
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, RemoteSource):
+            self.renewer.intend(
+                request_id, source.host, source.port + source.tp_size, source.engine_id, source.request_id
+            )
+
+    def _stop_renewing(self, request_id: str) -> None:
+        if self.renewer is not None:
+            self.renewer.drop(request_id)
+
     def matched_tokens(
         self, params: Mapping[str, Any] | None, num_prompt_tokens: int, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -178,9 +292,14 @@ class SchedulerHalf:
         """
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        source = parse_source(params, tp_size=self.tp_size)
-        count = num_prompt_tokens - num_computed_tokens
-        if isinstance(source, str) or count <= 0:
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, str) or self._tp_problem(source) is not None:
+            return 0, False
+        loadable = num_prompt_tokens
+        if self.prefill_backoff and num_prompt_tokens > self.prefill_backoff:
+            loadable -= self.prefill_backoff
+        count = loadable - num_computed_tokens
+        if count <= 0:
             return 0, False
         limit = self.config.max_inflight_loads
         if source.room in self._sources or (limit is not None and len(self._loads) >= limit):
@@ -188,28 +307,64 @@ class SchedulerHalf:
             return None, False
         return count, True
 
+    def _tp_problem(self, source: RemoteSource) -> str | None:
+        remote, local = source.tp_size, self.tp_size
+        if remote == local:
+            return None
+        why = self.unequal_tp
+        if why is None and remote < local:
+            if local % remote:
+                why = "a prefill rank's heads are split over a whole number of decode ranks"
+            elif self.renewer is None:
+                why = (
+                    "a prefill rank splits its heads for a decode of a larger TP size once the decode's "
+                    "lease renewals announce it, and leases are off here"
+                )
+            elif self.total_kv_heads is not None and self.total_kv_heads < local:
+                why = f"the model's {self.total_kv_heads} KV heads are replicated over {local} decode ranks"
+        elif why is None and remote % local:
+            why = "a decode merges the heads of a whole number of prefill ranks"
+        elif why is None and self.total_kv_heads is not None and self.total_kv_heads < remote:
+            why = f"the model's {self.total_kv_heads} KV heads are replicated over {remote} prefill ranks"
+        if why is None:
+            return None
+        return f"the prefill runs tensor parallel size {remote} and this decode {local}: {why}"
+
     def after_alloc(
         self,
         request_id: str,
         params: MutableMapping[str, Any] | None,
-        unhashed_blocks: Sequence[int],
+        unhashed_blocks: Sequence[int] | Sequence[Sequence[int]],
         num_external_tokens: int,
     ) -> None:
         """`update_state_after_alloc`: park the load (or tell the prefill its blocks are not needed).
 
-        Only the first call for a request acts (vLLM may call twice); it
-        flips `do_remote_prefill` off in the request's params, as NIXL does.
+        `unhashed_blocks`: the blocks vLLM allocated for the load, per KV
+        cache group (or one flat list). Only the first call for a request
+        acts (vLLM may call twice); it flips `do_remote_prefill` off in the
+        request's params, as NIXL does.
         """
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
-        source = parse_source(params, tp_size=self.tp_size)
+        if num_external_tokens <= 0:
+            self._stop_renewing(request_id)  # nothing to load: the prefill is told to free its blocks
+        blocks = _clip(self.groups, as_groups(unhashed_blocks))
+        source = parse_source(params, groups=len(self.groups))
+        if isinstance(source, RemoteSource) and (problem := self._tp_problem(source)) is not None:
+            self.stats.refused_tp += 1
+            self.transfer_stats.count("refused_tp")
+            logger.warning(
+                "kvfsm: request %s: %s; computing it locally, the prefill frees its blocks now", request_id, problem
+            )
+            self._release(request_id, source)
+            return
         if isinstance(source, str):
             self.stats.invalid_params += 1
             logger.warning("kvfsm: request %s: unusable kv_transfer_params, not loading: %s", request_id, source)
             if num_external_tokens > 0:
                 # vLLM parked it for a load anyway: the load must still end (failed), or it waits forever.
-                self._park(request_id, f"!{request_id}", None, unhashed_blocks, problem=source)
+                self._park(request_id, f"!{request_id}", None, blocks, problem=source)
             return
         if num_external_tokens <= 0:
             self._release(request_id, source)
@@ -217,14 +372,14 @@ class SchedulerHalf:
         problem = None
         if source.room in self._sources:
             problem = f"room {source.room!r} is already being loaded by another request of this decode"
-        self._park(request_id, source.room, source, unhashed_blocks, problem=problem)
+        self._park(request_id, source.room, source, blocks, problem=problem)
 
     def _park(
         self,
         request_id: str,
         room: str,
         source: RemoteSource | None,
-        blocks: Sequence[int],
+        blocks: Blocks,
         *,
         problem: str | None,
     ) -> None:
@@ -233,14 +388,14 @@ class SchedulerHalf:
             logger.error("kvfsm: request %s is already loading; vLLM parked it twice", request_id)
             return
         self.stats.loads += 1
-        self._loads[request_id] = _Load(handle, room, frozenset(blocks))
+        self._loads[request_id] = _Load(handle, room, frozenset(b for group in blocks for b in group))
         self._handoff.append(handle)
         if problem is None:
             self._sources.add(room)
-        self._plan.recv.append(RecvSpec(request_id, room, source, tuple(blocks), problem=problem))
+        self._plan.recv.append(RecvSpec(request_id, room, source, blocks, problem=problem))
 
     def _release(self, request_id: str, source: RemoteSource) -> None:
-        if source.block_ids:
+        if any(source.block_ids):
             self.stats.releases += 1
             self._plan.recv.append(RecvSpec(request_id, source.room, source, (), release_only=True))
 
@@ -252,32 +407,33 @@ class SchedulerHalf:
         params: MutableMapping[str, Any] | None,
         *,
         finished_ok: bool,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
     ) -> tuple[bool, dict[str, Any] | None]:
-        """`request_finished`: (hold the blocks?, params for the decode)."""
+        """`request_finished`: (hold the blocks?, params for the decode). `block_ids` per group, or flat."""
         if not params:
             return False, None
         if params.get("do_remote_decode"):
-            return self._prefill_finished(request_id, finished_ok, block_ids)
+            return self._prefill_finished(request_id, finished_ok, _clip(self.groups, as_groups(block_ids)))
         self._decode_finished(request_id, params)
         return False, None
 
     def _prefill_finished(
-        self, request_id: str, finished_ok: bool, block_ids: Sequence[int]
+        self, request_id: str, finished_ok: bool, block_ids: Blocks
     ) -> tuple[bool, dict[str, Any] | None]:
         if not finished_ok:
             # Aborted or failed: no decode will come for it, vLLM frees the blocks now.
             return False, None
         room = room_id(self.engine_id, request_id)
+        self._ensure_listening()
         params = prefill_params(
             engine_id=self.engine_id,
             request_id=request_id,
             host=self.config.host,
-            port=self.config.port,
+            port=self.port,
             block_ids=block_ids,
             tp_size=self.tp_size,
         )
-        if not block_ids:
+        if not any(block_ids):
             return False, params
         handle = self._open(self.prefill, request_id)
         if handle is None:
@@ -285,15 +441,36 @@ class SchedulerHalf:
             return False, None
         self.stats.holds += 1
         self._held[request_id] = handle
+        if self.leases is not None:
+            self.leases.grant(request_id)
         self._handoff.append(handle)
-        self._plan.send.append(SendSpec(request_id, room, tuple(block_ids)))
+        self._plan.send.append(SendSpec(request_id, room, block_ids))
         return True, params
 
+    def _ensure_listening(self) -> None:
+        """Open the lease port at the first hold (a decode renews only what a hold told it about)."""
+        if self._listening is not None or self.leases is None:
+            return
+        listen = getattr(self.renewals, "listen", None)
+        try:
+            if listen is not None:
+                listen(self.config.host, self.port + self.tp_size)
+            self._listening = True
+        except ConfigError as exc:
+            self._listening = False
+            self.leases = None
+            logger.error(
+                "kvfsm: %s. Holds on this engine are not leased: they last hold_timeout (%s s)",
+                exc,
+                self.config.hold_timeout,
+            )
+
     def _decode_finished(self, request_id: str, params: MutableMapping[str, Any]) -> None:
+        self._stop_renewing(request_id)
         if params.get("do_remote_prefill"):
             # Finished before vLLM allocated its blocks (an early abort): the prefill still holds them.
             params["do_remote_prefill"] = False
-            source = parse_source(params, tp_size=self.tp_size)
+            source = parse_source(params, groups=len(self.groups))
             if isinstance(source, RemoteSource):
                 self._release(request_id, source)
             return
@@ -305,13 +482,39 @@ class SchedulerHalf:
     # -- the step's metadata and the workers' notices ------------------------------------------
 
     def build(self) -> StepPlan:
-        """`build_connector_meta`: hand this step's work to the workers."""
+        """`build_connector_meta`: hand this step's work to the workers (and keep the leases)."""
+        self._keep_leases()
         plan, self._plan = self._plan, StepPlan()
         handed, self._handoff = self._handoff, []
         for handle in handed:
             if handle.state is KVPoll.Bootstrapping:
                 handle.bootstrapped()
         return plan
+
+    def _keep_leases(self) -> None:
+        if self.renewer is not None:
+            self.renewer.tick()
+        if self.leases is None or self.renewals is None:
+            return
+        announced: dict[str, int] = {}
+        renew_all(self.leases, self.engine_id, self.renewals.receive(), announced)
+        for request_id, tp in announced.items():
+            sliceable = tp > self.tp_size and tp % self.tp_size == 0
+            if sliceable and request_id in self._held and request_id not in self._sliced:
+                self._sliced.add(request_id)
+                self._plan.slices.append((request_id, tp // self.tp_size))
+        for request_id in self.leases.expired():
+            if request_id not in self._held:
+                continue
+            self.stats.expired_leases += 1
+            self.transfer_stats.count("expired_leases")
+            logger.warning(
+                "kvfsm: the lease of request %s expired (no renewal from its decode in %s s): "
+                "its blocks are freed unless a decode already claimed them",
+                request_id,
+                self.leases.duration,
+            )
+            self._plan.expire.append(request_id)
 
     def notices(
         self,
@@ -330,6 +533,7 @@ class SchedulerHalf:
                 self._absorb("finished_recving", request_id, self.decode)
                 continue
             del self._loads[request_id]
+            self._stop_renewing(request_id)
             handle = load.handle
             if request_id in failed or not invalid.isdisjoint(load.blocks):
                 handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, "the workers reported a failed load"))
@@ -346,6 +550,9 @@ class SchedulerHalf:
                 self._absorb("finished_sending", request_id, self.prefill)
                 continue
             del self._held[request_id]
+            self._sliced.discard(request_id)
+            if self.leases is not None:
+                self.leases.end(request_id)
             held.transfer_started()
             held.transfer_done()
             self._close(self.prefill, held)
@@ -360,6 +567,17 @@ class SchedulerHalf:
         except UnknownRoom as exc:  # says whether it was closed or never opened
             why = exc.detail
         logger.warning("kvfsm: %s for request %s dropped: %s", kind, request_id, why)
+
+    def report(self) -> dict[str, Any] | None:
+        """This half's figures for vLLM's connector stats since the last report (`_stats` payload)."""
+        if self._held or self.stats.holds:
+            self.transfer_stats.sample("holds", len(self._held))
+        return self.transfer_stats.take()
+
+    def shutdown(self) -> None:
+        close = getattr(self.renewals, "close", None)
+        if close is not None:
+            close()
 
     @property
     def held(self) -> frozenset[str]:
