@@ -347,6 +347,17 @@ class RemoteEndpoint(abc.ABC):
         fields, blob = self.engine.session()
         return {**fields, "pools": pools_fields(self.pools)}, blob
 
+    def _layout_mismatch(self, pools: KVPools, session: dict[str, Any]) -> str | None:
+        """Why the peer, with `pools` and engine `session` fields, cannot exchange KV with us (None: it can).
+
+        Both halves ask this at the handshake. Here: page for page
+        (`KVPools.layout_mismatch`). A half whose writes move parts of
+        pages (SGLang's unequal tensor parallelism, head slices) checks its
+        own geometry instead, and writes it with `PrefillEndpoint._kv_writes`.
+        """
+        assert self.pools is not None
+        return self.pools.layout_mismatch(pools)
+
     def _reject(self, handle: TransferHandle, problem: str) -> NoReturn:
         self.host._reject(handle, problem)
 

@@ -70,11 +70,13 @@ _RETRY_MOST = 1.0
 class RecvRecord:
     """One decode generation of a room: its handle, session, generation and claim."""
 
-    __slots__ = ("aux", "expected", "gen", "handle", "pages", "pgen", "session", "wire")
+    __slots__ = ("aux", "expected", "gen", "handle", "pages", "pgen", "room", "session", "wire")
 
-    def __init__(self, handle: TransferHandle, session: Session) -> None:
+    def __init__(self, handle: TransferHandle, session: Session, room: Any = None) -> None:
         self.handle = handle
         self.session = session
+        #: The room id the prefill knows this room by (the handle's own, unless `_wire_room` says otherwise).
+        self.room = handle.room if room is None else room
         self.gen = new_generation()
         self.pgen: int | None = None
         self.pages: list[int] = []
@@ -83,7 +85,7 @@ class RecvRecord:
         self.wire: wire.DecodeWire | None = None
 
     def fields(self, kind: str) -> dict[str, Any]:
-        base: dict[str, Any] = {"room": self.handle.room, "gen": self.gen}
+        base: dict[str, Any] = {"room": self.room, "gen": self.gen}
         if kind == "ROOM":
             return {**base, "pages": self.pages, "aux": self.aux}
         reason = self.handle.reason
@@ -108,6 +110,15 @@ class DecodeEndpoint(RemoteEndpoint):
         # Sessions whose (next) HELLO waits for its pause to end.
         self._hellos_due: list[Session] = []
 
+    def _wire_room(self, handle: TransferHandle) -> Any:
+        """The room id this room's claim names at the prefill: its own here.
+
+        A compat layer that pulls one request from several prefill ranks
+        (or whose decode ranks share one prefill rank) keeps a room per
+        rank under ids of its own and names the prefill's room id here.
+        """
+        return handle.room
+
     # -- the scheduler's calls ------------------------------------------------------------------
 
     def bootstrap(self, handle: TransferHandle, peer: str) -> None:
@@ -123,7 +134,7 @@ class DecodeEndpoint(RemoteEndpoint):
                     )
                     fire.append(functools.partial(handle.fail, reason))
             if session is not None:
-                rec = RecvRecord(handle, session)
+                rec = RecvRecord(handle, session, self._wire_room(handle))
                 step(wire.DECODE_TABLE, rec, "bootstrap")
                 session.records[rec.gen] = rec
                 self._recv_by_handle[(handle.room, handle.generation)] = rec
@@ -255,7 +266,7 @@ class DecodeEndpoint(RemoteEndpoint):
         if problem is None and frame["engine"] != self.name:
             problem = f"the prefill runs engine {frame['engine']!r:.40}, this decode {self.name!r}"
         if problem is None and self.pools is not None and pools is not None:
-            problem = self.pools.layout_mismatch(pools)
+            problem = self._layout_mismatch(pools, frame["session"])
         if problem is not None:
             self.remote_stats.sessions_refused += 1
             session.refused = problem
@@ -336,7 +347,7 @@ class DecodeEndpoint(RemoteEndpoint):
             self._on_hello_ack(session, frame, fire)
             return
         rec = session.records.get(frame["gen"])
-        if rec is None or rec.handle.room != frame["room"]:
+        if rec is None or rec.room != frame["room"]:
             self.remote_stats.stale_messages += 1
             return
         pgen = frame["pgen"]

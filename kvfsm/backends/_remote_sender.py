@@ -47,6 +47,7 @@ from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll, Role
 from . import codec, wire
 from ._remote_endpoint import Fire, RemoteEndpoint, SeenClaims, peer_reason, pools_from_fields, step
+from ._remote_engine import Write, coalesce_runs, page_writes
 from ._remote_writer import Chunk, Claim, Lane
 from ._sessions import Session, SessionState
 
@@ -212,7 +213,7 @@ class PrefillEndpoint(RemoteEndpoint):
             except (TypeError, ValueError) as exc:
                 problem = f"bad session: {exc}"
         if problem is None and self.pools is not None and pools is not None:
-            problem = self.pools.layout_mismatch(pools)
+            problem = self._layout_mismatch(pools, frame["session"])
         try:
             channel = self.transport.connect(frame["addr"])
         except Exception as exc:  # ZeroMQ refuses an address it cannot parse
@@ -428,6 +429,27 @@ class PrefillEndpoint(RemoteEndpoint):
         for claim in claims:
             self._pending.remove(claim.session, (claim.room, claim.gen))
         return claims
+
+    def claim_peer(self, handle: TransferHandle) -> dict[str, Any] | None:
+        """The engine session fields (its HELLO's) of the decode whose claim is bound to this room; None until one is.
+
+        A compat layer that fans one request out to several decode ranks
+        learns from it who claimed the room.
+        """
+        with self._lock:
+            claim = self._claim_of.get((handle.room, handle.generation))
+            lane = None if claim is None else claim.session.lane
+            return None if lane is None else lane.peer_session
+
+    def _kv_writes(self, lane: Lane, src: list[int], dst: list[int]) -> list[Write]:
+        """The engine writes that put our pages `src` into the decode's pages `dst` (pairwise, in order).
+
+        Whole pages, runs coalesced. A half with another geometry (see
+        `_layout_mismatch`) overrides both; `lane.peer_session` is what the
+        decode said of itself.
+        """
+        assert self.pools is not None and lane.session.pools is not None
+        return page_writes(self.pools.kv, lane.session.pools.kv, coalesce_runs(src, dst))
 
     def expected_pages(self, handle: TransferHandle) -> int | None:
         with self._lock:

@@ -78,7 +78,7 @@ from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
 from ._naps import precise_naps
 from ._remote_endpoint import RemoteConfig, RemoteStats, step
-from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, coalesce_runs, page_writes
+from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, page_writes
 
 if TYPE_CHECKING:
     from ._sessions import Session
@@ -138,6 +138,8 @@ class LaneOwner(Protocol):
     def _lane_broken(self, lane: Lane, why: str) -> None: ...
 
     def _lane_ended(self, lane: Lane) -> None: ...
+
+    def _kv_writes(self, lane: Lane, src: list[int], dst: list[int]) -> list[Write]: ...
 
 
 class Chunk:
@@ -259,6 +261,8 @@ class Lane:
         # submitted (for writes a busy engine hands back).
         self.turn = 0
         self.slice_chunk: Chunk | None = None
+        # What the decode said of its engine in its HELLO (`PrefillEndpoint.claim_peer` reads it).
+        self.peer_session: dict[str, Any] = hello[0]
         # The decode's engine peer (`add_peer`), once opened; why it could not be, if it could not.
         self.target: Any = None
         self.broken: str | None = None
@@ -593,7 +597,7 @@ class Lane:
             if claim.stopped or handle.is_terminal:
                 return 0  # rule 14: nothing more for a room that ended, whatever the notices say
             if chunk.todo is None:
-                chunk.todo = deque(page_writes(pools.kv, peer.pools.kv, coalesce_runs(chunk.src, chunk.dst)))
+                chunk.todo = deque(self.owner._kv_writes(self, chunk.src, chunk.dst))
                 if not chunk.todo:
                     continue
             writes = [chunk.todo.popleft() for _ in range(min(most, len(chunk.todo)))]

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from .._manager import TransferHandle, TransferManager
 from .._states import Role
@@ -87,6 +87,9 @@ class RemoteBackend(KVBackend):
     """
 
     endpoint: RemoteEndpoint
+    #: The halves a backend holds, by role; a subclass may extend them (the SGLang trio's unequal TP).
+    decode_endpoint: ClassVar[type[DecodeEndpoint]] = DecodeEndpoint
+    prefill_endpoint: ClassVar[type[PrefillEndpoint]] = PrefillEndpoint
 
     def __init__(self, manager: TransferManager, config: RemoteConfig | None = None) -> None:
         if config is None:
@@ -96,7 +99,9 @@ class RemoteBackend(KVBackend):
         self.config = config
         self.engine = self._make_engine()
         super().__init__(manager)
-        half = DecodeEndpoint if self.role is Role.RECEIVER else PrefillEndpoint
+        half: type[DecodeEndpoint] | type[PrefillEndpoint] = (
+            self.decode_endpoint if self.role is Role.RECEIVER else self.prefill_endpoint
+        )
         self.endpoint = half(self, config, self.engine)
         self.endpoint.transport = self.transport = self._make_transport()
         self._start_threads()

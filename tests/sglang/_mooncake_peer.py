@@ -11,10 +11,20 @@ tensors, and the metadata slots (SGLang's `MetadataBuffers`) go with it.
 
 Each child loops like SGLang's event loop: between iterations it serves
 the parent's calls (add a request, abort it through `Scheduler.abort_request`,
-read the log, check bytes) over a pipe. The prefill writes a pattern
-(`expected_value`) into the KV of each token it computes; the decode
-compares what landed in its own pages. Every call and every wait is
-bounded; the parent stops (or kills) the child.
+read the log, check bytes) over a pipe. The KV buffers have SGLang's MHA
+layout, `[token rows, local heads, head dim]`; the prefill writes a pattern
+(`expected_value`, per token, buffer and global head) into the KV of each
+token it computes; the decode compares what landed in its own pages, head
+by head. Every call and every wait is bounded; the parent stops (or kills)
+the child.
+
+A child can be one rank of a TP group (`tp_size`, `tp_rank`): its queues
+all-reduce their polls over a real gloo group of `tp_size` processes, as
+SGLang's do over its attention TP group, and its KV holds its share of the
+heads. The ranks of a group run `stepped`: an iteration only on the
+parent's `step`, which the parent posts to every rank of the group before
+waiting for any (`step_all`), so every rank sees the same requests at every
+collective, as SGLang's broadcast of requests to its TP ranks ensures.
 """
 
 from __future__ import annotations
@@ -33,24 +43,38 @@ from tests.pipe_child import PipeChild, answer, build_or_exit, exit_child
 
 LAYERS = 2
 ROWS = 256  # token slots per KV buffer
-DIM = 16  # floats per token row
+HEADS = 4  # KV heads over all TP ranks
+HEAD_DIM = 4
 PAGE_SIZE = 2
 SLOTS = 8  # metadata slots
 START_TIMEOUT = 240.0
 CALL_TIMEOUT = 30.0
 
 
-def expected_value(rid: str, position: int, layer: int) -> float:
-    """What the prefill computed for token `position` of `rid` in KV buffer `layer` (exact in float32)."""
-    return float(zlib.crc32(rid.encode()) % 997) * 1000.0 + position + layer * 0.25
+def expected_value(rid: str, position: int, layer: int, head: int = 0) -> float:
+    """What the prefill computed for token `position` of `rid`, KV buffer `layer`, global head `head` (exact in float32)."""
+    return float(zlib.crc32(rid.encode()) % 997) * 1000.0 + position + layer * 0.25 + head * 0.0625
 
 
 class PeerProcess(PipeChild):
-    """A child process running one role's SGLang queues; `call(name, *args)` runs there."""
+    """A child process running one role's SGLang queues (one TP rank of them); `call(name, *args)` runs there."""
 
-    def __init__(self, role: str, env: dict[str, str], bootstrap_port: int | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        env: dict[str, str],
+        bootstrap_port: int | None = None,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        group_port: int | None = None,
+        stepped: bool = False,
+    ) -> None:
         self.role = role
-        super().__init__(_child_main, (role, env, bootstrap_port), f"{role} peer")
+        self.tp_rank = tp_rank
+        rank = Rank(tp_size, tp_rank, group_port, stepped)
+        label = f"{role} peer" + (f" (TP rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
+        super().__init__(_child_main, (role, env, bootstrap_port, rank), label)
         self._ready: Any = None
 
     def ready(self) -> Any:
@@ -74,6 +98,14 @@ class PeerProcess(PipeChild):
                 raise TimeoutError(f"{self.role} peer: {event} not logged in {timeout}s; log: {log}")
             time.sleep(0.02)
 
+    def post(self, name: str, *args: Any) -> None:
+        """Send a call without waiting for its answer (`answer` collects it)."""
+        self.ready()
+        self._post(name, args)
+
+    def answer(self, what: str, timeout: float = CALL_TIMEOUT) -> Any:
+        return self._receive(what, timeout)
+
     def log(self) -> list[tuple[Any, ...]]:
         status = self.call("status")
         if status["errors"]:
@@ -84,50 +116,86 @@ class PeerProcess(PipeChild):
         super().stop(grace)
 
 
+def step_all(peers: list[PeerProcess], iterations: int = 1) -> None:
+    """One (or more) iterations on every rank of a stepped TP group, posted to all before waiting for any."""
+    for peer in peers:
+        peer.post("step", iterations)
+    for peer in peers:
+        peer.answer(f"step({iterations})")
+
+
 # -- the child ----------------------------------------------------------------------------
 
 
-def _child_main(conn: Connection, role: str, env: dict[str, str], bootstrap_port: int | None) -> None:
+class Rank:
+    """A child's place in its server's TP group (picklable: it goes to the child)."""
+
+    def __init__(self, size: int, rank: int, group_port: int | None, stepped: bool) -> None:
+        if size > 1 and group_port is None:
+            raise ValueError("the ranks of a TP group need the port of their gloo rendezvous (group_port)")
+        self.size, self.rank, self.group_port, self.stepped = size, rank, group_port, stepped
+
+    @property
+    def local_heads(self) -> range:
+        local = HEADS // self.size
+        return range(self.rank * local, (self.rank + 1) * local)
+
+
+def _child_main(conn: Connection, role: str, env: dict[str, str], bootstrap_port: int | None, rank: Rank) -> None:
     os.environ.update(env)
-    logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
+    label = role if rank.size == 1 else f"{role} tp{rank.rank}"
+    logging.basicConfig(level=logging.ERROR, format=f"[{label}] %(levelname)s %(name)s: %(message)s")
     stack = contextlib.ExitStack()
 
     def build() -> _Peer:
-        peer: _Peer = _PrefillPeer(stack) if role == "prefill" else _DecodePeer(stack, bootstrap_port)
+        if role == "prefill":
+            peer: _Peer = _PrefillPeer(stack, rank, bootstrap_port)
+        else:
+            peer = _DecodePeer(stack, rank, bootstrap_port)
         conn.send((True, peer.ready()))
         return peer
 
-    peer = build_or_exit(conn, build)
-    while True:  # SGLang's event loop, serving the parent's calls between iterations
-        try:
-            if conn.poll(0.002):
-                name, args = conn.recv()
-                if name == "exit":
-                    break
-                answer(conn, peer, name, args)
-        except (EOFError, OSError):
-            break
+    def iterate(peer: _Peer) -> None:
         try:
             peer.iterate()
         except Exception:
             if len(peer.errors) < 5:
                 peer.errors.append(traceback.format_exc())
+
+    peer = build_or_exit(conn, build)
+    while True:  # SGLang's event loop, serving the parent's calls between iterations
+        try:
+            if conn.poll(None if rank.stepped else 0.002):
+                name, args = conn.recv()
+                if name == "exit":
+                    break
+                if name == "step":
+                    for _ in range(args[0]):
+                        iterate(peer)
+                    conn.send((True, None))
+                    continue
+                answer(conn, peer, name, args)
+        except (EOFError, OSError):
+            break
+        if not rank.stepped:
+            iterate(peer)
     with contextlib.suppress(Exception):
         peer.close()
     exit_child(stack.close)
 
 
-def _kv_args(q: Any, buffers: list[Any], metadata: Any) -> Any:
-    args = q.kv_args(page_size=PAGE_SIZE)
+def _kv_args(q: Any, buffers: list[Any], metadata: Any, rank: Rank) -> Any:
+    args = q.kv_args(page_size=PAGE_SIZE, engine_rank=rank.rank)
     args.kv_data_ptrs = [b.data_ptr() for b in buffers]
     args.kv_data_lens = [b.nbytes for b in buffers]
     args.kv_item_lens = [b[0].nbytes * PAGE_SIZE for b in buffers]
+    args.kv_head_num, args.total_kv_head_num = len(rank.local_heads), HEADS
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = metadata.get_buf_infos()
     return args
 
 
 class _Peer:
-    def __init__(self, stack: contextlib.ExitStack) -> None:
+    def __init__(self, stack: contextlib.ExitStack, rank: Rank) -> None:
         import torch
 
         from kvfsm.compat import sglang as compat
@@ -135,10 +203,16 @@ class _Peer:
         from tests.sglang._sglang import module
 
         self.torch, self.q, self.compat, self.module = torch, q, compat, module
+        self.rank = rank
         self.errors: list[str] = []
         self.log: list[tuple[Any, ...]] = []
-        stack.enter_context(q.sglang_context())
-        self.group = q.gloo_group()
+        parallel = {"tp_size": rank.size} if rank.size > 1 else {}
+        stack.enter_context(q.sglang_context(rank=rank.rank, **parallel))
+        if rank.size == 1:
+            self.group = q.gloo_group()
+        else:
+            assert rank.group_port is not None
+            self.group = q.tp_group(rank.rank, rank.size, rank.group_port)
         mooncake = {
             q.KVClassType.MANAGER: compat.MooncakeKVManager,
             q.KVClassType.SENDER: compat.MooncakeKVSender,
@@ -147,14 +221,15 @@ class _Peer:
         }
         stack.enter_context(q.patched_sglang(self.log, {q.TransferBackend.MOONCAKE: mooncake}))
         self.get_kv_class = q.prefill_mod.get_kv_class  # the patched one
-        self.kv = [torch.zeros(ROWS, DIM, dtype=torch.float32) for _ in range(LAYERS)]
+        # SGLang's MHA layout: [token rows, this rank's heads, head dim], one buffer per K/V and layer.
+        self.kv = [torch.zeros(ROWS, len(rank.local_heads), HEAD_DIM, dtype=torch.float32) for _ in range(LAYERS)]
 
     def server_args(self, bootstrap_port: int) -> Any:
         return SimpleNamespace(
             host="127.0.0.1",
             port=None,
             disaggregation_bootstrap_port=bootstrap_port,
-            tp_size=1,
+            tp_size=self.rank.size,
             dp_size=1,
             pp_size=1,
             disaggregation_decode_allocation_policy="early",
@@ -185,19 +260,24 @@ class _Peer:
 class _PrefillPeer(_Peer):
     """SGLang's prefill event loop: bootstrap queue, waiting queue (forwarded at once unless held), inflight."""
 
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        super().__init__(stack)
+    def __init__(self, stack: contextlib.ExitStack, rank: Rank, bootstrap_port: int | None) -> None:
+        super().__init__(stack, rank)
         q = self.q
-        server_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.BOOTSTRAP_SERVER)
-        self.server = server_class(host="127.0.0.1", port=0)
-        self.bootstrap_port = self.server.port
+        self.server: Any = None
+        if rank.rank == 0:  # one bootstrap server per prefill server (on `bootstrap_port`, if given)
+            server_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.BOOTSTRAP_SERVER)
+            self.server = server_class(host="127.0.0.1", port=bootstrap_port or 0)
+            bootstrap_port = self.server.port
+        assert bootstrap_port is not None, "the other prefill ranks register at rank 0's bootstrap server"
+        self.bootstrap_port = bootstrap_port
         self.world = q.PrefillWorld(log=self.log, group=self.group, page_size=PAGE_SIZE, slots=SLOTS)
+        self.world.queue.tp_rank = rank.rank
         self.world.queue.transfer_backend = q.TransferBackend.MOONCAKE
         # What PrefillBootstrapQueue._init_kv_manager does: SGLang's KVArgs, then get_kv_class's manager.
         manager_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.MANAGER)
         self.world.set_manager(
             manager_class(
-                _kv_args(q, self.kv, self.world.metadata_buffers),
+                _kv_args(q, self.kv, self.world.metadata_buffers, rank),
                 q.utils.DisaggregationMode.PREFILL,
                 self.server_args(self.bootstrap_port),
                 False,
@@ -212,7 +292,8 @@ class _PrefillPeer(_Peer):
     def _compute(self, req: Any, slots: Any) -> None:
         for layer, buffer in enumerate(self.kv):
             for position, slot in enumerate(slots.tolist()):
-                buffer[slot] = expected_value(req.rid, position, layer)
+                for local, head in enumerate(self.rank.local_heads):
+                    buffer[slot, local] = expected_value(req.rid, position, layer, head)
 
     def add(self, rid: str, prompt_len: int, room: int, hold: bool = False) -> None:
         if hold:
@@ -233,14 +314,15 @@ class _PrefillPeer(_Peer):
 
     def close(self) -> None:
         super().close()
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
 
 
 class _DecodePeer(_Peer):
     """SGLang's decode queue processing: deferred releases, preallocation, transfer polling."""
 
-    def __init__(self, stack: contextlib.ExitStack, bootstrap_port: int | None) -> None:
-        super().__init__(stack)
+    def __init__(self, stack: contextlib.ExitStack, rank: Rank, bootstrap_port: int | None) -> None:
+        super().__init__(stack, rank)
         assert bootstrap_port is not None
         q = self.q
         self.bootstrap_port = bootstrap_port
@@ -255,13 +337,14 @@ class _DecodePeer(_Peer):
         manager_class = self.get_kv_class(q.TransferBackend.MOONCAKE, q.KVClassType.MANAGER)
         self.world.set_manager(
             manager_class(
-                _kv_args(q, self.kv, self.world.metadata_buffers),
+                _kv_args(q, self.kv, self.world.metadata_buffers, rank),
                 q.utils.DisaggregationMode.DECODE,
                 self.server_args(bootstrap_port),
                 False,
             )
         )
         self.world.transfer.deferred_kv_release_timeout = 60.0  # kvfsm's release gate decides first
+        self.world.transfer.tp_rank = self.world.prealloc.tp_rank = rank.rank
         self.world.prealloc.transfer_backend = q.TransferBackend.MOONCAKE
         self.world.prealloc._ensure_retry_interval = 0.2
 
@@ -278,6 +361,15 @@ class _DecodePeer(_Peer):
     def held(self) -> list[str]:
         return [entry[0].req.rid for entry in self.world.transfer._deferred_releases]
 
+    def quarantined(self) -> list[object]:
+        """The rooms whose pages kvfsm quarantined (no proof their writes stopped by the drain deadline)."""
+        return [handle.room for handle in self.world.manager.transfer_manager.quarantined()]
+
+    def release_quarantined(self, room: int, why: str) -> int:
+        """An operator's override: free a quarantined room's pages (kvfsm counts and logs it)."""
+        released: int = self.world.manager.transfer_manager.release_quarantined(room, why)
+        return released
+
     def first_token(self, rid: str) -> int:
         return int(self.world.reqs[rid].output_ids[0])
 
@@ -287,6 +379,7 @@ class _DecodePeer(_Peer):
         slots = self.world.pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].tolist()
         for layer, buffer in enumerate(self.kv):
             for position, slot in enumerate(slots):
-                if not bool((buffer[slot] == expected_value(rid, position, layer)).all()):
-                    return False
+                for local, head in enumerate(self.rank.local_heads):
+                    if not bool((buffer[slot, local] == expected_value(rid, position, layer, head)).all()):
+                        return False
         return True

@@ -84,13 +84,23 @@ def gloo_group() -> Any:
     return _group
 
 
+def tp_group(rank: int, size: int, port: int) -> Any:
+    """A real gloo process group of `size` processes (one TP group), this process being `rank`; created once."""
+    global _group
+    if _group is None:
+        dist = torch.distributed
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        _group = dist.new_group(ranks=list(range(size)), backend="gloo")
+    return _group
+
+
 @contextlib.contextmanager
-def sglang_context(**server_args: Any) -> Iterator[None]:
-    """SGLang's runtime context published from ServerArgs, with this process as rank 0 of everything."""
+def sglang_context(rank: int = 0, **server_args: Any) -> Iterator[None]:
+    """SGLang's runtime context published from ServerArgs, with this process as TP rank `rank` (0 of PP)."""
     runtime_context.reset_context()
     runtime_context.publish(server_args_mod.ServerArgs(model_path="dummy", **server_args), role="tokenizer")
     try:
-        with runtime_context.get_parallel().override(tp_rank=0, pp_rank=0, attn_tp_rank=0):
+        with runtime_context.get_parallel().override(tp_rank=rank, pp_rank=0, attn_tp_rank=rank):
             yield
     finally:
         runtime_context.reset_context()

@@ -7,8 +7,9 @@ bootstrap server; the decode child runs SGLang's prealloc/transfer queues;
 P2PHANDSHAKE) moves CPU tensors over 127.0.0.1. Checked: requests end to end
 with every KV byte and the first output token (SGLang's metadata slot)
 landed, an abort on each side reaching the other, and a killed prefill:
-decode's requests fail with SGLang's reason and their pages are held until
-kvfsm's release gate opens (the drain deadline: a dead peer cannot ACK).
+decode's requests fail with SGLang's reason and their pages are held,
+quarantined at the drain deadline (a dead peer cannot ACK), until an
+operator releases them.
 Bounded in time: every wait has a deadline, both children are stopped.
 """
 
@@ -112,6 +113,13 @@ def test_an_abort_on_prefill_reaches_the_decode(pair: Pair) -> None:
 
 
 def test_a_killed_prefill_fails_decode_requests_and_holds_their_pages(pair: Pair) -> None:
+    """A dead prefill cannot prove its writes stopped: the pages are held, quarantined at the drain deadline.
+
+    SGLang's own deferred-release deadline is set past the test (60 s, see
+    `_DecodePeer`), so only kvfsm's gate decides: the pages stay held after
+    the drain deadline, reported quarantined, until an operator releases
+    them (`release_quarantined`); then SGLang frees them.
+    """
     pair.prefill.call("add", "lost", 6, 301, True)
     pair.d.call("add", "lost", 6, 301)
     pair.prefill.wait_for(("bootstrapped", "lost"))
@@ -123,13 +131,24 @@ def test_a_killed_prefill_fails_decode_requests_and_holds_their_pages(pair: Pair
     message = pair.d.call("finish_message", "lost")
     assert message is not None
     assert "Lost connection with prefill instance" in message
-    if ("release", "lost") not in decode_log:
-        # Held: a dead prefill cannot prove its writes stopped, so only the drain deadline frees the pages.
-        assert pair.d.call("held") == ["lost"]
-    decode_log = pair.d.wait_for(("release", "lost"), timeout=DRAIN_S + 20.0)
-    released = time.monotonic() - killed_at
-    assert released >= DRAIN_S * 0.9, f"pages released {released:.2f}s after the kill, before the drain deadline"
+    assert ("release", "lost") not in decode_log
+    assert pair.d.call("held") == ["lost"]
+    deadline = time.monotonic() + DRAIN_S + 20.0
+    while pair.d.call("quarantined") != [301]:
+        assert time.monotonic() < deadline, f"room 301 not quarantined {DRAIN_S + 20.0}s after its failure"
+        time.sleep(0.05)
+    quarantined_at = time.monotonic() - killed_at
+    assert quarantined_at >= DRAIN_S * 0.9, (
+        f"quarantined {quarantined_at:.2f}s after the kill, before the drain deadline"
+    )
+    time.sleep(1.0)  # held, not freed, after the deadline
+    decode_log = pair.d.log()
+    assert ("release", "lost") not in decode_log
+    assert pair.d.call("held") == ["lost"]
+    assert pair.d.call("release_quarantined", 301, "the prefill's host was rebooted (test)") == 1
+    decode_log = pair.d.wait_for(("release", "lost"), timeout=20.0)
     assert pair.d.call("held") == []
+    assert pair.d.call("quarantined") == []
     assert ("transferred", "lost", 1) not in decode_log
     assert noticed < 20.0
     slots = [e for e in decode_log if e[0] in ("slot+", "slot-")]

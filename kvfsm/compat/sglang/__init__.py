@@ -24,7 +24,8 @@ One module per job:
 * `_mooncake`: `MooncakeKVManager` / `MooncakeKVSender` /
   `MooncakeKVReceiver` / `MooncakeKVBootstrapServer`, SGLang's Mooncake
   backend rebuilt on `kvfsm.backends.MooncakeBackend` (imported on first
-  use: it needs pyzmq and Mooncake).
+  use: it needs pyzmq and Mooncake); `_heads`: which ranks of unequal
+  attention TP sizes pair, and the head-slice writes between them.
 
 Nothing here imports SGLang: the interface is matched from its source.
 """

@@ -12,9 +12,9 @@ This is a small HTTP server on the standard library (one daemon thread,
 JSON bodies), with two routes and SGLang's health check:
 
 * `PUT /kvfsm/prefill`: a prefill rank registers `{address, dp_rank,
-  tp_rank, pp_rank}` and the server's layout (`attn_tp_size`, `dp_size`,
-  `pp_size`, `page_size`, `kv_cache_dtype`, `decode_allocation_policy`,
-  `prefill_http_port`);
+  tp_rank, pp_rank}` and the server's layout (`attn_tp_size`,
+  `attn_cp_size`, `total_kv_heads`, `dp_size`, `pp_size`, `page_size`,
+  `kv_cache_dtype`, `decode_allocation_policy`, `prefill_http_port`);
 * `GET /kvfsm/prefill`: the layout and every registered rank (503 until
   one registered);
 * `GET /health`: 200.
@@ -47,6 +47,8 @@ MAX_RANKS = 4096
 #: The prefill server's layout, as registered by each rank (the last registration wins).
 LAYOUT_FIELDS = (
     "attn_tp_size",
+    "attn_cp_size",
+    "total_kv_heads",
     "dp_size",
     "pp_size",
     "page_size",

@@ -88,6 +88,10 @@ class KVArgs:
     pp_rank: int
     system_dp_rank: int
     kv_cache_dtype_str: str
+    #: MHA/GQA only (SGLang leaves them unset for MLA): KV heads on this rank and in all; the
+    #: Mooncake trio pairs unequal attention TP sizes with them.
+    kv_head_num: int
+    total_kv_head_num: int
 
     def __init__(self, **attributes: Any) -> None:
         self.state_types: list[Any] = []
@@ -149,6 +153,8 @@ class PrefillServerInfo:
 
     attn_tp_size: int = 1
     attn_cp_size: int = 1
+    #: kvfsm's: the model's KV heads over all TP ranks (None for MLA), to pair unequal attention TP sizes.
+    total_kv_heads: int | None = None
     dp_size: int = 1
     pp_size: int = 1
     page_size: int | None = None
