@@ -222,10 +222,14 @@ def test_vllm_a_load_whose_prefill_vanished_mid_write_keeps_its_blocks_quarantin
             return
         assert pair.decode.poll() == (set(), set(), set()), "blocks reported free on the drain timer"
         assert decode.stats.quarantined == 1 and decode.stats.quarantined_bytes > 0
+        report = pair.decode.report()  # vLLM's connector stats: the gauge shows the one quarantined block
+        assert report is not None and report["quarantined_pages"] == [1]
         (handle,) = decode.quarantined()
         handle.fenced("the prefill engine's process is gone")
         assert pair.decode.poll() == (set(), {"d-r"}, {"d-r"}) and pair.decode.take_load_errors() == {1}
         assert decode.stats.quarantined == 0 and decode.stats.fences == 1
+        report = pair.decode.report()
+        assert report is not None and report["quarantined_pages"] == [0]
     finally:
         pair.close()
 

@@ -42,7 +42,7 @@ def test_gauges_are_reported_when_they_change_and_the_last_sample_counts() -> No
     stats = _stats.TransferStats()
     stats.sample("holds", 2)
     stats.sample("holds", 2)
-    stats.sample("quarantined_pages", None)  # the core does not count them (yet): nothing reported
+    stats.sample("quarantined_pages", None)  # no pools registered yet: nothing reported
     first = stats.take()
     assert first is not None and first["holds"] == [2] and first["quarantined_pages"] == []
     stats.sample("holds", 2)
@@ -76,8 +76,10 @@ def test_unknown_keys_are_refused_by_name() -> None:
         stats.sample("releases", 1)
 
 
-def test_the_quarantine_hook_reads_the_cores_count_when_there_is_one() -> None:
-    manager = TransferManager(Role.SENDER)
-    assert _stats.quarantined_pages_of(None) is None
-    counted = getattr(manager.stats, "quarantined_pages", None)
-    assert _stats.quarantined_pages_of(manager) == (counted if isinstance(counted, int) else None)
+def test_the_quarantine_gauge_counts_the_cores_quarantined_bytes_in_pages() -> None:
+    manager = TransferManager(Role.RECEIVER)
+    assert _stats.quarantined_pages_of(None, 4096) is None
+    assert _stats.quarantined_pages_of(manager, 0) is None, "no pools registered yet: nothing to report"
+    assert _stats.quarantined_pages_of(manager, 4096) == 0
+    manager.stats.quarantined_bytes = 3 * 4096  # what the release phase counts for three held pages
+    assert _stats.quarantined_pages_of(manager, 4096) == 3

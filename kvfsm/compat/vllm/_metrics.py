@@ -13,8 +13,8 @@ hands the payload to `KVFSMPromMetrics`, which `/metrics` serves:
     vllm:kvfsm_refused_tp                counter: loads refused for a prefill of another TP size
     vllm:kvfsm_expired_leases            counter: holds freed because their decode stopped renewing
     vllm:kvfsm_held_requests             gauge: requests whose blocks a prefill holds
-    vllm:kvfsm_quarantined_pages         gauge: pages held in quarantine (the core's; see
-                                         `_stats.quarantined_pages_of`)
+    vllm:kvfsm_quarantined_pages         gauge: pages of failed loads held in quarantine (the
+                                         core's count, in pages: `_stats.quarantined_pages_of`)
 
 The payload and its arithmetic are `_stats`' (no vLLM there).
 """

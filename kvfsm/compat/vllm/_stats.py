@@ -19,7 +19,7 @@ A payload (`new_payload()`), all of it serializable:
     expired_leases      prefill holds freed because their decode stopped renewing the lease
     holds               samples of the prefill's held requests (a gauge: the last one counts)
     quarantined_pages   samples of the pages the core holds in quarantine (a gauge; see
-                        `quarantined_pages_of`, the hook for the core's quarantine state)
+                        `quarantined_pages_of`)
 """
 
 from __future__ import annotations
@@ -97,17 +97,17 @@ def reduce(payload: dict[str, Any]) -> dict[str, int | float]:
     return summary
 
 
-def quarantined_pages_of(manager: TransferManager | None) -> int | None:
-    """The hook for the core's quarantine: pages of failed rooms held until a proof (DESIGN.md rule 6).
+def quarantined_pages_of(manager: TransferManager | None, page_nbytes: int) -> int | None:
+    """Pages of failed rooms `manager` holds in quarantine now, until a proof (DESIGN.md rule 6).
 
-    The core's quarantined release state is another piece of work: until its
-    manager counts `stats.quarantined_pages`, this answers None and the
-    gauge is not reported. Nothing else needs to change when it lands.
+    The core counts the bytes each room holds (`stats.quarantined_bytes`);
+    `page_nbytes` is the size of one page of the rank's pools (a vLLM block,
+    or one KV head of a block where the pools are head-major). None when
+    there is no manager or no pools yet: the gauge is then not reported.
     """
-    if manager is None:
+    if manager is None or page_nbytes <= 0:
         return None
-    pages = getattr(manager.stats, "quarantined_pages", None)
-    return pages if isinstance(pages, int) and not isinstance(pages, bool) else None
+    return manager.stats.quarantined_bytes // page_nbytes
 
 
 class TransferStats:

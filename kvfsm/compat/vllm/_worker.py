@@ -782,7 +782,8 @@ class WorkerHalf:
         return self.transfer_stats.take()
 
     def _quarantined_pages(self) -> int | None:
-        counts = [quarantined_pages_of(m) for m in (self.prefill, self.decode) if m is not None]
+        page_nbytes = 0 if self._pools is None else self._pools.page_nbytes
+        counts = [quarantined_pages_of(m, page_nbytes) for m in (self.prefill, self.decode) if m is not None]
         known = [c for c in counts if c is not None]
         return sum(known) if known else None
 
