@@ -90,7 +90,7 @@ from ...backends.memory import KVPools, MemoryRegion
 from ...backends.mooncake import MooncakeBackend
 from ...backends.remote import RemoteConfig, Write
 from ._bootstrap import LAYOUT_FIELDS, KVBootstrapServer, fetch_prefill_ranks, register_prefill_rank
-from ._endpoint import KVReceiver, KVSender, RequestView, _aux_slot
+from ._endpoint import KVReceiver, KVSender, RequestView, _aux_slot, _Endpoint
 from ._heads import SESSION_FIELD, Pairing, TPLayout, head_slices, pairing, sliced_writes, slicing_problem, sub_room
 from ._manager import KVManager
 from ._types import (
@@ -610,7 +610,7 @@ class _ExtraRooms:
         return all(handle.release_safe for handle in self.handles)
 
 
-def _request_state(endpoint: KVSender | KVReceiver, extra: _ExtraRooms, own: KVPoll) -> KVPoll:
+def _request_state(endpoint: _Endpoint, extra: _ExtraRooms, own: KVPoll) -> KVPoll:
     """The request's state over its rooms (see `_ExtraRooms`), its own room's poll being `own`.
 
     A request whose own room succeeded while another of its rooms failed
@@ -625,7 +625,28 @@ def _request_state(endpoint: KVSender | KVReceiver, extra: _ExtraRooms, own: KVP
     return extra.state(own)
 
 
-class MooncakeKVSender(KVSender):
+class _SplitRequest(_Endpoint):
+    """What a request split over several rooms (`_ExtraRooms`) does on abort, failure, clear and release."""
+
+    _extra: _ExtraRooms
+
+    def on_abort(self) -> None:
+        self._extra.abort(ABORT_MESSAGE)
+
+    def failure_exception(self) -> NoReturn:
+        _request_state(self, self._extra, self.handle.status)
+        super().failure_exception()
+
+    def clear(self) -> None:
+        self._extra.close()
+        super().clear()
+
+    @property
+    def release_safe(self) -> bool:
+        return self.handle.release_safe and self._extra.release_safe
+
+
+class MooncakeKVSender(_SplitRequest, KVSender):
     """SGLang's `MooncakeKVSender`: a `KVSender` whose chunks `MooncakeBackend` writes.
 
     When the decode ranks outnumber this prefill rank's TP group (decode
@@ -635,7 +656,6 @@ class MooncakeKVSender(KVSender):
     every chunk into each.
     """
 
-    _extra: _ExtraRooms
     _fanned: bool
 
     def _open(self, mgr: Any, bootstrap_room: int) -> None:
@@ -694,23 +714,8 @@ class MooncakeKVSender(KVSender):
             aux = self.aux_index if is_last and backend.pools is not None and backend.pools.num_aux_slots else None
             _through(handle, backend.send, kv_indices, last=is_last, aux_index=aux)
 
-    def on_abort(self) -> None:
-        self._extra.abort(ABORT_MESSAGE)
 
-    def failure_exception(self) -> NoReturn:
-        _request_state(self, self._extra, self.handle.status)
-        super().failure_exception()
-
-    def clear(self) -> None:
-        self._extra.close()
-        super().clear()
-
-    @property
-    def release_safe(self) -> bool:
-        return self.handle.release_safe and self._extra.release_safe
-
-
-class MooncakeKVReceiver(KVReceiver):
+class MooncakeKVReceiver(_SplitRequest, KVReceiver):
     """SGLang's `MooncakeKVReceiver`: a `KVReceiver` whose pages `MooncakeBackend` receives.
 
     With a prefill of another attention TP size it pairs as `_heads.pairing`
@@ -718,8 +723,6 @@ class MooncakeKVReceiver(KVReceiver):
     pages and metadata slot), or as slot k of the decode ranks one prefill
     rank feeds (its claim names that prefill's room `sub_room(room, k)`).
     """
-
-    _extra: _ExtraRooms
 
     def _open(self, mgr: Any, bootstrap_room: int | None) -> None:
         if not isinstance(mgr, MooncakeKVManager):
@@ -788,21 +791,6 @@ class MooncakeKVReceiver(KVReceiver):
         for handle in self._extra.handles:
             if not handle.is_terminal:
                 _through(handle, backend.expect, kv_indices, slot)
-
-    def on_abort(self) -> None:
-        self._extra.abort(ABORT_MESSAGE)
-
-    def failure_exception(self) -> NoReturn:
-        _request_state(self, self._extra, self.handle.status)
-        super().failure_exception()
-
-    def clear(self) -> None:
-        self._extra.close()
-        super().clear()
-
-    @property
-    def release_safe(self) -> bool:
-        return self.handle.release_safe and self._extra.release_safe
 
     def failure_text(self, reason: FailureReason | None) -> str | None:
         """SGLang's words for a lost prefill (its scheduler and clients see them)."""
