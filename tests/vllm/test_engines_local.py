@@ -8,9 +8,8 @@ the blocks it computes, so every transfer is checked byte for byte.
 
 from __future__ import annotations
 
-import itertools
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,22 +38,7 @@ from kvfsm.compat.vllm._plan import RecvSpec, SendSpec, StepPlan  # noqa: E402
 
 from .harness import BLOCK_SIZE, Engine, make_request, run_until, vllm_config  # noqa: E402
 
-_ids = itertools.count()
 LOCAL = {"backend": "local"}
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
-
-    def make(kv_role: str, **kwargs: Any) -> Engine:
-        engine = Engine(kv_role, f"{kv_role}-{next(_ids)}", **kwargs)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 def prefill(engine: Engine, request_id: str, tokens: list[int]) -> dict[str, Any]:

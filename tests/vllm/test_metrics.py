@@ -10,8 +10,7 @@ metrics" log line) and `KVConnectorProm` (the Prometheus metrics) take them.
 from __future__ import annotations
 
 import copy
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,22 +27,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from .harness import BLOCK_SIZE, Engine, make_request, run_until  # noqa: E402
 
-_ids = itertools.count()
 LOCAL = {"backend": "local"}
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
-
-    def make(kv_role: str, **kwargs: Any) -> Engine:
-        engine = Engine(kv_role, f"m-{kv_role}-{next(_ids)}", **kwargs)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 def _held_and_loaded(p: Engine, d: Engine) -> None:
