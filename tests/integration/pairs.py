@@ -100,3 +100,15 @@ def wait_until(predicate: Callable[[], bool], what: str, limit: float = 10.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.001)
+
+
+def poll_until(endpoint: Any, wanted: kvfsm.KVPoll, timeout: float = 10.0) -> kvfsm.KVPoll:
+    """Poll an SGLang-style sender or receiver until it reports `wanted` or ends; the state it reached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = kvfsm.KVPoll(endpoint.poll())
+        if state is wanted or state in (kvfsm.KVPoll.Success, kvfsm.KVPoll.Failed):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{endpoint!r} never reached {wanted.name} (is {state.name})")
+        time.sleep(0.005)

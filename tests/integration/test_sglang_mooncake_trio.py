@@ -29,6 +29,8 @@ pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine is neede
 from kvfsm.backends.remote import RemoteBackend  # noqa: E402
 from kvfsm.compat.sglang import _mooncake  # noqa: E402
 
+from .pairs import poll_until as wait  # noqa: E402
+
 WAIT = 10.0
 
 
@@ -75,17 +77,6 @@ class Pair:
         receiver.send_metadata(pages, slot, [], 0)
         wait(sender, KVPoll.WaitingForInput)
         return sender, receiver
-
-
-def wait(endpoint: Any, wanted: KVPoll, timeout: float = WAIT) -> KVPoll:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = KVPoll(endpoint.poll())
-        if state is wanted or state in (KVPoll.Success, KVPoll.Failed):
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{endpoint!r} never reached {wanted.name} (is {state.name})")
-        time.sleep(0.005)
 
 
 def wait_until(condition: Any, timeout: float = WAIT) -> None:

@@ -28,6 +28,8 @@ from kvfsm import FailureKind, KVPoll
 from kvfsm.compat import sglang
 from kvfsm.compat.sglang._heads import Pairing, TPLayout, pairing
 
+from .pairs import poll_until
+
 torch = pytest.importorskip("torch", reason="the KV buffers are torch tensors")
 pytest.importorskip("zmq", reason="pyzmq is needed for kvfsm's control plane")
 pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine is needed (mooncake-transfer-engine-non-cuda)")
@@ -149,14 +151,7 @@ class Deployment:
 
 
 def wait(endpoint: Any, wanted: KVPoll, timeout: float = WAIT) -> KVPoll:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = KVPoll(endpoint.poll())
-        if state is wanted or state in (KVPoll.Success, KVPoll.Failed):
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{endpoint!r} never reached {wanted.name} (is {state.name})")
-        time.sleep(0.005)
+    return poll_until(endpoint, wanted, timeout)
 
 
 def wait_until(condition: Any, what: str, timeout: float = WAIT) -> None:
