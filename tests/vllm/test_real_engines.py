@@ -14,8 +14,9 @@ weights must change them (the negative control).
 
 Four engines start at once and serve every test of this module: the
 prefill (seed 1), a decode with `kv_load_failure_policy="fail"`, one with
-`"recompute"`, and a prefill with other weights (seed 2) that is killed
-half way. Each call is bounded; every process is stopped at the end.
+`"recompute"` (both opt in to `on_drain_deadline="release"`), and a
+prefill with other weights (seed 2) that is killed half way. Each call is
+bounded; every process is stopped at the end.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ class Engines:
     def __init__(self) -> None:
         self.prefill = LLMPeer("prefill", seed=1, kv_role="kv_producer", extra={**COMMON, "port": free_port()})
         self.other = LLMPeer("prefill-other", seed=2, kv_role="kv_producer", extra={**COMMON, "port": free_port()})
-        self.decode = LLMPeer("decode", seed=1, kv_role="kv_consumer", extra=COMMON, policy="fail")
-        self.recompute = LLMPeer("decode-recompute", seed=1, kv_role="kv_consumer", extra=COMMON, policy="recompute")
+        # A killed prefill proves nothing, so by default its loads' blocks stay quarantined and
+        # their requests wait (tests/unit/test_release_phase.py checks that on the worker half).
+        # These decodes opt in to the timer release, so that vLLM's two failure policies run.
+        decode = {**COMMON, "on_drain_deadline": "release"}
+        self.decode = LLMPeer("decode", seed=1, kv_role="kv_consumer", extra=decode, policy="fail")
+        self.recompute = LLMPeer("decode-recompute", seed=1, kv_role="kv_consumer", extra=decode, policy="recompute")
         self.all = [self.prefill, self.other, self.decode, self.recompute]
 
     def stop(self) -> None:
