@@ -10,7 +10,11 @@ latency stays near SGLang's"):
   (the receiving test thread waits on an event, one hand-off more);
 * one page's engine writes: Mooncake, one 64 KiB write and the same bytes
   as four 16 KiB writes (K and V of two layers), from the first submit to
-  the last completion, two engines in one process;
+  the last completion, two engines in one process; NIXL (``nixl``), the
+  same four 16 KiB writes as the one transfer of four descriptors that
+  kvfsm's NIXL backend submits, two agents in one process (these are the
+  ``raw`` rows of `benchmarks/vs_sglang.py`, which runs them through
+  `raw_page_writes`);
 * naps: `time.sleep(20e-6)` with the default timer slack and with 1 us
   (`kvfsm.backends._naps.precise_naps`, what the writer and control
   threads set);
@@ -18,24 +22,29 @@ latency stays near SGLang's"):
   sleep each time.
 
 Run from the project root: ``PYTHONPATH=. python benchmarks/latency_parts.py``
-(``--only tcp,zmq,control,mooncake,naps,codec``; ``--count N`` round trips
-or writes per figure, default 2000). Medians, in microseconds. Mooncake's
-part is skipped, with a line saying why, where Mooncake is not installed.
+(``--only tcp,zmq,control,mooncake,nixl,naps,codec``; ``--count N`` round
+trips or writes per figure, default 2000; ``--json PATH`` writes every
+figure, and the engine parts' samples, there). Medians, in microseconds.
+An engine's part is skipped, with a line saying why, where that engine is
+not installed.
 Every process it starts ends with it, and it talks only to 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-PARTS = ("tcp", "zmq", "control", "mooncake", "naps", "codec")
+PARTS = ("tcp", "zmq", "control", "mooncake", "nixl", "naps", "codec")
+REGIONS = 4  # K and V of two layers: one page is four writes
 PAGE = 64 * 1024
 
 
@@ -43,7 +52,8 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
+def _samples(count: int, step: Callable[[], object], warmup: int = 20) -> list[float]:
+    """Seconds each of `count` calls of `step` took, after `warmup` unmeasured calls."""
     for _ in range(warmup):
         step()
     samples = []
@@ -51,7 +61,11 @@ def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
         start = time.perf_counter()
         step()
         samples.append(time.perf_counter() - start)
-    return _median_us(samples)
+    return samples
+
+
+def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
+    return _median_us(_samples(count, step, warmup))
 
 
 # -- round trips -------------------------------------------------------------------
@@ -175,8 +189,8 @@ def control_round_trip(count: int) -> float:
 # -- engine writes -----------------------------------------------------------------
 
 
-def mooncake_page(count: int) -> tuple[float, float]:
-    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion."""
+def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
+    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion (seconds each)."""
     import torch
     from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
@@ -206,7 +220,63 @@ def mooncake_page(count: int) -> tuple[float, float]:
 
         return step
 
-    return _timed(count, writes(1)), _timed(count, writes(4))
+    return _samples(count, writes(1)), _samples(count, writes(REGIONS))
+
+
+def mooncake_page(count: int) -> tuple[float, float]:
+    """Medians (us) of `mooncake_page_samples`."""
+    one, four = mooncake_page_samples(count)
+    return _median_us(one), _median_us(four)
+
+
+def nixl_page_samples(count: int) -> list[float]:
+    """One page's four 16 KiB writes as one NIXL transfer of four descriptors, as kvfsm submits them.
+
+    Two agents (UCX, no progress thread, as `NixlBackend` runs them) in one
+    process; from `initialize_xfer` to `check_xfer_state` saying DONE, the
+    receiving agent polled as kvfsm's decode polls it. Seconds each.
+    """
+    import torch
+
+    from kvfsm.backends.nixl import _import_nixl
+
+    nixl_agent, nixl_agent_config = _import_nixl()
+    src = torch.ones(PAGE, dtype=torch.uint8)
+    dst = torch.zeros(PAGE, dtype=torch.uint8)
+    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    a, b = nixl_agent("raw-a", config), nixl_agent("raw-b", config)
+    a.register_memory([(src.data_ptr(), PAGE, 0, "")], "DRAM")
+    b.register_memory([(dst.data_ptr(), PAGE, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    size = PAGE // REGIONS
+    local = a.get_xfer_descs([(src.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
+    remote = a.get_xfer_descs([(dst.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
+
+    def step() -> None:
+        handle = a.initialize_xfer("WRITE", local, remote, name, b"")
+        state = a.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("NIXL write ended with ERR")
+            b.get_new_notifs()  # the receiving side's progress, as kvfsm's decode makes it
+            state = a.check_xfer_state(handle)
+        a.release_xfer_handle(handle)
+
+    return _samples(count, step)
+
+
+def raw_page_writes(engine: str, count: int) -> list[float]:
+    """The raw engine's time for one page's writes as kvfsm issues them (seconds, one per page).
+
+    `engine` is "mooncake" (four `transfer_submit_write`, then each polled)
+    or "nixl" (one transfer of four descriptors).
+    """
+    if engine == "mooncake":
+        return mooncake_page_samples(count)[1]
+    if engine == "nixl":
+        return nixl_page_samples(count)
+    raise ValueError(f"engine must be 'mooncake' or 'nixl'; got {engine!r}")
 
 
 # -- naps and cold code ------------------------------------------------------------
@@ -252,10 +322,18 @@ def codec(count: int) -> tuple[float, float]:
     return hot, _median_us(samples)
 
 
+def _percentile_us(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[int(fraction * (len(ordered) - 1))] * 1e6
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The parts of a one-page cross-process request, each alone.")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts (default {','.join(PARTS)})")
     parser.add_argument("--count", type=int, default=2000, help="round trips or writes per figure (default 2000)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every figure (us) and the engine parts' samples (s) there"
+    )
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -263,29 +341,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     if args.count < 1:
         parser.error("--count must be at least 1")
+    figures: dict[str, float] = {}
+    samples: dict[str, list[float]] = {}
+    skipped: dict[str, str] = {}
+
+    def show(key: str, text: str, value: float) -> None:
+        figures[key] = value
+        print(f"  {text:<52}{value:8.1f}", flush=True)
+
     print(f"medians over {args.count} (naps and cold code: 500), microseconds")
     if "tcp" in parts:
-        print(f"  round trip, raw TCP between two processes          {tcp_round_trip(args.count):8.1f}")
+        show("tcp", "round trip, raw TCP between two processes", tcp_round_trip(args.count))
     if "zmq" in parts:
-        print(f"  round trip, ZeroMQ PUSH/PULL between two processes  {zmq_round_trip(args.count):8.1f}")
+        show("zmq", "round trip, ZeroMQ PUSH/PULL between two processes", zmq_round_trip(args.count))
     if "control" in parts:
-        print(f"  round trip, kvfsm ControlPlane (+1 thread hand-off) {control_round_trip(args.count):8.1f}")
+        show("control", "round trip, kvfsm ControlPlane (+1 thread hand-off)", control_round_trip(args.count))
     if "mooncake" in parts:
         try:
-            one, four = mooncake_page(args.count)
+            one, four = mooncake_page_samples(args.count)
         except ImportError as exc:
+            skipped["mooncake"] = str(exc)
             print(f"  Mooncake: skipped ({exc})")
         else:
-            print(f"  Mooncake, one 64 KiB write, submit to completion    {one:8.1f}")
-            print(f"  Mooncake, four 16 KiB writes (one page, 4 regions)  {four:8.1f}")
+            samples.update(mooncake_one=one, mooncake=four)
+            show("mooncake_one", "Mooncake, one 64 KiB write, submit to completion", _median_us(one))
+            show("mooncake", "Mooncake, four 16 KiB writes (one page, 4 regions)", _median_us(four))
+            show("mooncake_p99", "Mooncake, the same four writes, p99", _percentile_us(four, 0.99))
+    if "nixl" in parts:
+        try:
+            nixl = nixl_page_samples(args.count)
+        except ImportError as exc:
+            skipped["nixl"] = str(exc)
+            print(f"  NIXL: skipped ({exc})")
+        else:
+            samples["nixl"] = nixl
+            show("nixl", "NIXL, four 16 KiB writes in one transfer", _median_us(nixl))
+            show("nixl_p99", "NIXL, the same transfer, p99", _percentile_us(nixl, 0.99))
     if "naps" in parts:
         default, precise = naps()
-        print(f"  time.sleep(20e-6), default timer slack              {default:8.1f}")
-        print(f"  time.sleep(20e-6), timer slack 1 us                 {precise:8.1f}")
+        show("nap_default", "time.sleep(20e-6), default timer slack", default)
+        show("nap_precise", "time.sleep(20e-6), timer slack 1 us", precise)
     if "codec" in parts:
         hot, cold = codec(args.count)
-        print(f"  encode a ROOM frame, hot                            {hot:8.1f}")
-        print(f"  encode a ROOM frame, after a 1 ms sleep             {cold:8.1f}")
+        show("codec_hot", "encode a ROOM frame, hot", hot)
+        show("codec_cold", "encode a ROOM frame, after a 1 ms sleep", cold)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"figures_us": figures, "samples_s": samples, "skipped": skipped}))
     return 0
 
 

@@ -118,12 +118,73 @@ def test_rounds_join_into_medians_and_same_round_ratios() -> None:
     assert "* not comparable: kvfsm 3/4 ok" in report and "2.00x (2.00-2.00)" in report
 
 
+def test_critical_path_rows_and_the_raw_baseline() -> None:
+    """The critical path is the decode's Success minus the prefill's last send(), per request; raw rows are samples."""
+    bench = _load_bench()
+    case = bench.Case("lat", 1, 1, 1, 3, 1)  # rooms 1, 2, 3 measured after room 0
+    results = bench.Results()
+    # Per round: when the prefill called its last send(), when the decode saw Success, the raw writes' samples.
+    rounds = [
+        ({1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.3, 2: 2.4, 3: 3.5}, [0.1, 0.2, 0.3]),  # critical 0.3, 0.4, 0.5
+        ({1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.2, 2: 2.2, 3: 3.9}, [0.05, 0.1, 0.4]),  # critical 0.2, 0.2, 0.9
+    ]
+    for round_, (last_send, seen, raw) in enumerate(rounds):
+        prefill = {
+            "rooms": [
+                {"room": r, "start": r - 0.5, "end": r + 0.1, "ok": True, **({"last_send": last_send[r]} if r else {})}
+                for r in range(4)
+            ],
+            "cpu_s": 0.1,
+            "harness_cpu_s": 0.0,
+        }
+        decode = {
+            "rooms": [{"room": r, "start": r - 0.6, "end": seen.get(r, 0.2), "ok": True} for r in range(4)],
+            "cpu_s": 0.1,
+            "harness_cpu_s": 0.0,
+        }
+        row = bench.summarize(case, "kvfsm", {"prefill": prefill, "decode": decode})
+        results.add({**row, "round": round_})
+        results.add({**bench.raw_row("raw", raw), "round": round_})
+    first, second = results.rounds[("kvfsm", "lat")]
+    assert first["critical_p50_s"] == pytest.approx(0.4) and first["critical_p99_s"] == pytest.approx(0.4)
+    assert second["critical_p50_s"] == pytest.approx(0.2) and second["critical_p99_s"] == pytest.approx(0.2)
+    # The whole request still runs from the first open to the last end: room 2 of round 0, 1.4 to 2.4.
+    assert first["latency_p50_s"] == pytest.approx(1.0)
+    raw = results.rounds[("raw", "lat")][0]
+    assert (raw["ok"], raw["requests"], raw["critical_p50_s"]) == (3, 3, pytest.approx(0.2))
+    assert raw["critical_p99_s"] == pytest.approx(0.2)  # the lower neighbour of the 99th percentile of 3 samples
+    # Same-round ratios: 0.4 / 0.2 = 2.0 and 0.2 / 0.1 = 2.0 at p50.
+    value, per_round = results.ratio(("kvfsm", "lat"), ("raw", "lat"), "critical_p50_s")
+    assert per_round == pytest.approx([2.0, 2.0]) and value == pytest.approx(2.0)
+    assert results.row(("kvfsm", "lat"))["critical_p50_s"] == pytest.approx(0.3)  # median of the rounds' 0.4, 0.2
+    goals = {goal.text: goal for goal in bench.evaluate_goals(results)}
+    critical = goals["critical path, one page (p50), kvfsm over Mooncake / raw Mooncake writes"]
+    assert critical.issue == 23 and not critical.met and critical.limit == 1.5
+    assert "2.00x (rounds 2.00-2.00) (goal <= 1.5x)" in critical.line()
+    report = "\n".join(bench.format_report([case], results, []))
+    assert "raw Mooncake writes" in report and "critical path of a one-page request" in report
+    assert "kvfsm over Mooncake / raw Mooncake writes" in report and "2.00x (2.00-2.00)" in report
+    # A request without a last send() (SGLang's decode-only records, say) has no critical path, not a wrong one.
+    bare = bench.summarize(
+        case,
+        "kvfsm",
+        {
+            "prefill": _report({r: (0.0, 1.0, True) for r in range(4)}, 0.1),
+            "decode": _report({r: (0.0, 1.0, True) for r in range(4)}, 0.1),
+        },
+    )
+    assert bare["critical_p50_s"] is None and bare["critical_p99_s"] is None
+
+
 def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -> None:
     done, data = _bench(tmp_path, "--cases", "lat,2", *SMALL, "--latency-requests", "5", "--requests", "6")
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {row["case"]: row for row in data["results"]}
+    rows = {row["case"]: row for row in data["results"] if row["impl"] == "kvfsm"}
     assert set(rows) == {"lat", "2"}
-    assert {row["impl"] for row in rows.values()} == {"kvfsm"}
+    # Beside kvfsm's rows, the raw Mooncake writes of the one-page case, measured in the same run.
+    (raw,) = [row for row in data["results"] if row["impl"] != "kvfsm"]
+    assert (raw["impl"], raw["case"], raw["requests"]) == ("raw", "lat", 5) and raw["critical_p50_s"] > 0
+    assert rows["lat"]["critical_p50_s"] > 0 and rows["lat"]["critical_p99_s"] >= rows["lat"]["critical_p50_s"]
     for case, pages, requests in (("lat", 1, 5), ("2", 4, 6)):
         row = rows[case]
         assert (row["ok"], row["requests"], row["bad"]) == (requests, requests, 0), row
