@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import random
 import socket
 import statistics
 import threading
@@ -279,6 +280,147 @@ def raw_page_writes(engine: str, count: int) -> list[float]:
     raise ValueError(f"engine must be 'mooncake' or 'nixl'; got {engine!r}")
 
 
+def _scattered_writes(rng: random.Random, pages: int, pool_pages: int, region: int) -> list[tuple[int, int, int]]:
+    """One request's writes as kvfsm makes them: random pages, runs of contiguous pairs coalesced, one per region.
+
+    (offset in the source, offset in the destination, bytes); region r of
+    the pool starts at r * pool_pages * region.
+    """
+    from kvfsm.backends.remote import coalesce_runs
+
+    src = rng.sample(range(pool_pages), pages)
+    dst = rng.sample(range(pool_pages), pages)
+    writes = []
+    for start_s, start_d, count in coalesce_runs(src, dst):
+        for r in range(REGIONS):
+            base = r * pool_pages * region
+            writes.append((base + start_s * region, base + start_d * region, count * region))
+    return writes
+
+
+def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: int | None = None) -> dict[str, float]:
+    """The raw engine's throughput for 4 MiB-style requests with the same writes in flight as kvfsm's.
+
+    `requests` requests of `pages` scattered pages (the writes kvfsm makes
+    of them: runs coalesced, one write per run and region), `inflight` of
+    them at a time, at most `budget` writes in flight (kvfsm's per-decode
+    default: 512 for Mooncake, 1024 for NIXL) and 64 writes per submit (a
+    claim's slice per turn; Mooncake submits them one by one). Two engines
+    in one process; the bytes are not checked. Returns GB/s and seconds.
+    """
+    import torch
+
+    region = PAGE // REGIONS
+    pool_pages = max(2 * pages, 256)
+    size = pool_pages * region * REGIONS
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    rng = random.Random(23)
+    todo = [_scattered_writes(rng, pages, pool_pages, region) for _ in range(requests)]
+    from kvfsm.backends._naps import precise_naps
+
+    precise_naps()  # this thread's naps as short as the writer's
+    submit, poll, close = _stream_engine(engine, src, dst)
+    budget = budget or (512 if engine == "mooncake" else 1024)
+    waiting: list[list[tuple[int, int, int]]] = []  # per request in flight: writes not yet submitted
+    jobs: list[tuple[Any, int]] = []  # (job, writes) in submission order
+    began = time.perf_counter()
+    done_bytes = sum(w[2] for request in todo for w in request)
+    in_flight = 0
+    pending = list(reversed(todo))
+    try:
+        while pending or waiting or jobs:
+            while pending and len(waiting) < inflight:
+                waiting.append(list(pending.pop()))
+            for writes in waiting:
+                while writes and in_flight < budget:
+                    part = writes[: min(64, budget - in_flight)]
+                    del writes[: len(part)]
+                    jobs.append((submit(part), len(part)))
+                    in_flight += len(part)
+            waiting = [w for w in waiting if w]
+            still = []
+            for job, count in jobs:
+                if poll(job):
+                    in_flight -= count
+                else:
+                    still.append((job, count))
+            if len(still) == len(jobs) and still:
+                time.sleep(20e-6)  # nothing ended: nap as kvfsm's writer does (a spin takes the engine's core)
+            jobs = still
+    finally:
+        close()
+    elapsed = time.perf_counter() - began
+    return {"gb_s": done_bytes / elapsed / 1e9, "seconds": elapsed, "bytes": done_bytes, "requests": requests}
+
+
+def _stream_engine(
+    engine: str, src: Any, dst: Any
+) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
+    """submit(writes) -> job, poll(job) -> ended, close(): two engines in one process, src -> dst."""
+    nbytes = src.numel()
+    if engine == "mooncake":
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        a, b = TransferEngine(), TransferEngine()
+        for each in (a, b):
+            if each.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise RuntimeError("Mooncake TransferEngine.initialize failed")
+        a.register_memory(src.data_ptr(), nbytes)
+        b.register_memory(dst.data_ptr(), nbytes)
+        target = f"127.0.0.1:{b.get_rpc_port()}"
+        s0, d0 = src.data_ptr(), dst.data_ptr()
+
+        def submit(writes: list[tuple[int, int, int]]) -> Any:
+            return [a.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
+
+        def poll(batches: list[int]) -> bool:
+            while batches:
+                status = a.transfer_check_status(batches[0])
+                if status == 0:
+                    return False
+                if status != 1:
+                    raise RuntimeError(f"Mooncake write ended with status {status}")
+                batches.pop(0)
+            return True
+
+        held = (a, b)  # the receiving engine must outlive the writes: only `close` drops it
+        return submit, poll, held.__len__
+    if engine == "nixl":
+        from kvfsm.backends.nixl import _import_nixl
+
+        nixl_agent, nixl_agent_config = _import_nixl()
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        na, nb = nixl_agent("raw-stream-a", config), nixl_agent("raw-stream-b", config)
+        na.register_memory([(src.data_ptr(), nbytes, 0, "")], "DRAM")
+        nb.register_memory([(dst.data_ptr(), nbytes, 0, "")], "DRAM")
+        name = na.add_remote_agent(nb.get_agent_metadata())
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        s1, d1 = src.data_ptr(), dst.data_ptr()
+
+        def submit_nixl(writes: list[tuple[int, int, int]]) -> Any:
+            local = na.get_xfer_descs([(s1 + s, n, 0) for s, _, n in writes], "DRAM")
+            remote = na.get_xfer_descs([(d1 + d, n, 0) for _, d, n in writes], "DRAM")
+            handle = na.initialize_xfer("WRITE", local, remote, name, b"")
+            if na.transfer(handle) == "ERR":
+                raise RuntimeError("NIXL transfer returned ERR")
+            return handle
+
+        def poll_nixl(handle: Any) -> bool:
+            nb.get_new_notifs()
+            state = na.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL write ended with ERR")
+            if state == "DONE":
+                na.release_xfer_handle(handle)
+                return True
+            return False
+
+        agents = (na, nb)
+        return submit_nixl, poll_nixl, agents.__len__
+    raise ValueError(f"engine must be 'mooncake' or 'nixl'; got {engine!r}")
+
+
 # -- naps and cold code ------------------------------------------------------------
 
 
@@ -334,6 +476,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--json", metavar="PATH", help="write every figure (us) and the engine parts' samples (s) there"
     )
+    parser.add_argument(
+        "--stream",
+        metavar="N",
+        type=int,
+        action="append",
+        default=[],
+        help="also the engine parts' throughput with N requests in flight (repeatable; see raw_stream)",
+    )
+    parser.add_argument("--stream-requests", type=int, default=100, help="requests per --stream figure (default 100)")
+    parser.add_argument("--stream-pages", type=int, default=64, help="64 KiB pages per --stream request (default 64)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -377,6 +529,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples["nixl"] = nixl
             show("nixl", "NIXL, four 16 KiB writes in one transfer", _median_us(nixl))
             show("nixl_p99", "NIXL, the same transfer, p99", _percentile_us(nixl, 0.99))
+    streams: dict[str, dict[str, float]] = {}
+    for engine in (e for e in ("mooncake", "nixl") if e in parts and e not in skipped):
+        for inflight in args.stream:
+            found = raw_stream(engine, inflight, args.stream_requests, args.stream_pages)
+            streams[f"{engine}/{inflight}"] = found
+            print(
+                f"  {engine}, {args.stream_requests} requests of {args.stream_pages} pages, {inflight} in flight: "
+                f"{found['gb_s']:.3f} GB/s",
+                flush=True,
+            )
     if "naps" in parts:
         default, precise = naps()
         show("nap_default", "time.sleep(20e-6), default timer slack", default)
@@ -386,7 +548,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         show("codec_hot", "encode a ROOM frame, hot", hot)
         show("codec_cold", "encode a ROOM frame, after a 1 ms sleep", cold)
     if args.json:
-        Path(args.json).write_text(json.dumps({"figures_us": figures, "samples_s": samples, "skipped": skipped}))
+        Path(args.json).write_text(
+            json.dumps({"figures_us": figures, "samples_s": samples, "skipped": skipped, "streams": streams})
+        )
     return 0
 
 

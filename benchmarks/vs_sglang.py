@@ -133,6 +133,7 @@ IMPL_TITLES = {
 }
 RAW_ENGINES = {"raw": "mooncake", "raw-nixl": "nixl"}  # the raw rows and the latency_parts engine each runs
 RAW_TIMEOUT = 300.0  # seconds for one raw measurement (engine start included)
+RAW_STREAM_REQUESTS = 256  # at most this many requests in a raw throughput figure
 Key = tuple[str, str]  # (implementation, case name)
 
 
@@ -419,13 +420,41 @@ def raw_row(impl: str, samples: list[float]) -> dict[str, Any]:
     }
 
 
-def run_raw(impl: str, count: int, log_dir: Path) -> dict[str, Any]:
-    """Measure `impl`'s raw writes in a child process (`latency_parts.py`); its row."""
+def raw_stream_row(impl: str, case: Case, found: dict[str, float]) -> dict[str, Any]:
+    """A `raw` row of an in-flight case: the bare engine's throughput with the same writes in flight."""
+    return {
+        **raw_row(impl, []),
+        "case": case.name,
+        "title": case.title,
+        "inflight": case.inflight,
+        "request_bytes": case.pages * PAGE_BYTES,
+        "requests": int(found["requests"]),
+        "ok": int(found["requests"]),
+        "elapsed_s": found["seconds"],
+        "gb_s": found["gb_s"],
+        "requests_s": found["requests"] / found["seconds"] if found["seconds"] else None,
+    }
+
+
+def run_raw(impl: str, case: Case, log_dir: Path) -> dict[str, Any]:
+    """Measure `impl`'s raw writes for `case` in a child process (`latency_parts.py`); its row.
+
+    The one-page case: one page's writes, `case.requests` times (their time
+    each). An in-flight case: `case.requests` requests of the same size with
+    as many in flight and kvfsm's per-decode budget of writes in flight
+    (`latency_parts.raw_stream`; throughput).
+    """
     out = log_dir / f"{impl}.json"
     log = log_dir / f"{impl}.log"
     engine = RAW_ENGINES[impl]
     env = child_env("kvfsm", {})
-    command = [sys.executable, str(PARTS), "--only", engine, "--count", str(count), "--json", str(out)]
+    command = [sys.executable, str(PARTS), "--only", engine, "--json", str(out)]
+    if case.name == "lat":
+        command += ["--count", str(case.requests)]
+    else:  # one page's writes only a few times: the figure is the stream's
+        requests = min(case.requests, RAW_STREAM_REQUESTS)
+        command += ["--count", "5", "--stream", str(case.inflight), "--stream-requests", str(requests)]
+        command += ["--stream-pages", str(case.pages)]
     try:
         with open(log, "wb") as sink:
             done = subprocess.run(
@@ -439,7 +468,9 @@ def run_raw(impl: str, count: int, log_dir: Path) -> dict[str, Any]:
     data = json.loads(out.read_text())
     if engine not in data["samples_s"]:
         raise CaseError(f"{IMPL_TITLES[impl]}: skipped ({data['skipped'].get(engine, '?')})")
-    return raw_row(impl, data["samples_s"][engine])
+    if case.name == "lat":
+        return raw_row(impl, data["samples_s"][engine])
+    return raw_stream_row(impl, case, data["streams"][f"{engine}/{case.inflight}"])
 
 
 def _normalize(why: str) -> str:
@@ -540,6 +571,14 @@ ISSUE23_GOALS = [
             False,
         )
         for n in ("4", "16", "64")
+    ],
+    *[
+        (f"throughput at {n} in flight, {title} / raw {engine} writes", (impl, n), (raw, n), "gb_s", 0.9, True)
+        for n in ("4", "16", "64")
+        for impl, raw, title, engine in (
+            ("kvfsm", "raw", "kvfsm over Mooncake", "Mooncake"),
+            ("kvfsm-nixl", "raw-nixl", "kvfsm over NIXL", "NIXL"),
+        )
     ],
     ("kvfsm over Mooncake: throughput at 256 in flight / at 16", ("kvfsm", "256"), ("kvfsm", "16"), "gb_s", 0.9, True),
     (
@@ -663,6 +702,24 @@ def _ratio_cell(results: Results, figure: Key, baseline: Key, name: str) -> str:
     return cell
 
 
+def _raw_throughput_lines(cases: list[Case], results: Results) -> list[str]:
+    """Throughput of each engine's kvfsm rows against the raw engine with the same writes in flight."""
+    lines = []
+    for case in cases:
+        if case.name == "lat":
+            continue
+        cells = []
+        for impl, raw in (("kvfsm", "raw"), ("kvfsm-nixl", "raw-nixl")):
+            ours, theirs = (impl, case.name), (raw, case.name)
+            if ours in results and theirs in results:
+                cells.append(f"{IMPL_TITLES[impl]} {_ratio_cell(results, ours, theirs, 'gb_s')}")
+        if cells:
+            lines.append(f"  {case.title:<30} " + ";  ".join(cells))
+    if not lines:
+        return []
+    return ["", "throughput against the raw engine with the same writes in flight (higher is better):", *lines]
+
+
 def _critical_lines(cases: list[Case], results: Results) -> list[str]:
     """The one-page critical path (last send() to the decode seeing Success) against the raw engine and SGLang."""
     if not any(case.name == "lat" for case in cases):
@@ -705,15 +762,17 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
             head = case.title if shown == 0 else ""
             if row is None:
                 if impl in RAW_ENGINES:
-                    continue  # the raw rows belong to the one-page case only
+                    continue  # a case without a raw row (larger than --raw-max-inflight, or skipped)
                 lines.append(f"{head:<30} {IMPL_TITLES[impl]:<24} {'not run':>11}")
                 shown += 1
                 continue
             shown += 1
             critical = f"{_us(row.get('critical_p50_s')):>13} {_us(row.get('critical_p99_s')):>10}"
             if impl in RAW_ENGINES:
+                gb_s = "" if row["gb_s"] is None else f"{row['gb_s']:.3f}"
                 lines.append(
-                    f"{head:<30} {IMPL_TITLES[impl]:<24} {row['ok']:>5}/{row['requests']:<5} {'':>53}{critical}"
+                    f"{head:<30} {IMPL_TITLES[impl]:<24} {row['ok']:>5}/{row['requests']:<5} {'':>24}{gb_s:>7} "
+                    f"{'':>21}{critical}"
                 )
                 continue
             flag = "" if row["ok"] == row["requests"] else " *"
@@ -724,6 +783,7 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
                 + (f"  BAD BYTES in {row['bad']}" if row["bad"] else "")
             )
     lines += _critical_lines(cases, results)
+    lines += _raw_throughput_lines(cases, results)
     if "kvfsm" in impls and "sglang" in impls:
         lines += ["", "kvfsm / SGLang, same run (latency and CPU: lower is better; throughput: higher):"]
         lines.append(f"{'case':<30} {'latency p50':>18} {'throughput':>18} {'CPU/request':>18}")
@@ -796,7 +856,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure, the goals and the settings there")
     parser.add_argument(
-        "--no-raw", action="store_true", help="skip the raw engines' one-page writes (the 'raw' rows of the lat case)"
+        "--no-raw", action="store_true", help="skip the raw engines' rows (the same writes on the bare engine)"
+    )
+    parser.add_argument(
+        "--raw-max-inflight", type=int, default=64, help="in-flight cases above this get no raw row (default 64)"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -876,17 +939,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{_ms(row['latency_p50_s'])}, critical path p50 {_us(row['critical_p50_s'])} "
                         f"({time.monotonic() - case_began:.1f}s with start and stop)"
                     )
-                if case.name == "lat":
-                    for impl in raw_impls:  # the same writes on the bare engine, in the same round
-                        _progress(f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: one page's writes")
-                        try:
-                            row = run_raw(impl, case.requests, Path(logs))
-                        except CaseError as exc:
-                            errors.append(f"{where}{IMPL_TITLES[impl]}: {exc}")
-                            _progress(f"  could not run: {exc}")
-                            continue
-                        results.add({**row, "round": round_})
+                for impl in raw_impls:  # the same writes on the bare engine, in the same round
+                    if case.name != "lat" and case.inflight > args.raw_max_inflight:
+                        continue
+                    what = "one page's writes" if case.name == "lat" else f"{case.title}, {case.requests} requests"
+                    _progress(f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {what}")
+                    try:
+                        row = run_raw(impl, case, Path(logs))
+                    except CaseError as exc:
+                        errors.append(f"{where}{IMPL_TITLES[impl]}: {exc}")
+                        _progress(f"  could not run: {exc}")
+                        continue
+                    results.add({**row, "round": round_})
+                    if case.name == "lat":
                         _progress(f"  p50 {_us(row['critical_p50_s'])}, p99 {_us(row['critical_p99_s'])}")
+                    else:
+                        _progress(f"  {row['gb_s']:.3f} GB/s")
     goals = evaluate_goals(results)
     versions = {row["impl"]: row["versions"] for row in results.rows()}
     print(
@@ -907,8 +975,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for issue in (12, 23):
         print(f"\ngoals (issue {issue}):")
         print("\n".join(goal.line() for goal in goals if goal.issue == issue) or "  none measurable in this run")
-    if any(goal.issue == 23 for goal in goals):
-        print("  not measured: throughput against the raw engine with the same writes in flight (issue 23)")
     if args.json:
         data = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),

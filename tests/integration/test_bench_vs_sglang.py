@@ -164,6 +164,12 @@ def test_critical_path_rows_and_the_raw_baseline() -> None:
     report = "\n".join(bench.format_report([case], results, []))
     assert "raw Mooncake writes" in report and "critical path of a one-page request" in report
     assert "kvfsm over Mooncake / raw Mooncake writes" in report and "2.00x (2.00-2.00)" in report
+    # An in-flight case's raw row: the stream's throughput, no critical path.
+    stream = bench.raw_stream_row(
+        "raw", bench.Case("16", 16, 4, 2, 300, 1), {"gb_s": 0.5, "seconds": 2.0, "requests": 256}
+    )
+    assert (stream["case"], stream["requests"], stream["gb_s"], stream["critical_p50_s"]) == ("16", 256, 0.5, None)
+    assert stream["requests_s"] == pytest.approx(128.0)
     # A request without a last send() (SGLang's decode-only records, say) has no critical path, not a wrong one.
     bare = bench.summarize(
         case,
@@ -182,8 +188,10 @@ def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -
     rows = {row["case"]: row for row in data["results"] if row["impl"] == "kvfsm"}
     assert set(rows) == {"lat", "2"}
     # Beside kvfsm's rows, the raw Mooncake writes of the one-page case, measured in the same run.
-    (raw,) = [row for row in data["results"] if row["impl"] != "kvfsm"]
-    assert (raw["impl"], raw["case"], raw["requests"]) == ("raw", "lat", 5) and raw["critical_p50_s"] > 0
+    raws = {row["case"]: row for row in data["results"] if row["impl"] == "raw"}
+    assert len(raws) == len(data["results"]) - 2 and set(raws) == {"lat", "2"}
+    assert raws["lat"]["requests"] == 5 and raws["lat"]["critical_p50_s"] > 0  # one page's writes, timed
+    assert raws["2"]["requests"] == 6 and raws["2"]["gb_s"] > 0  # the same requests' writes, 2 in flight
     assert rows["lat"]["critical_p50_s"] > 0 and rows["lat"]["critical_p99_s"] >= rows["lat"]["critical_p50_s"]
     for case, pages, requests in (("lat", 1, 5), ("2", 4, 6)):
         row = rows[case]
@@ -205,12 +213,17 @@ def test_nixl_runs_in_the_same_loop_with_its_own_rows_and_goals(tmp_path: Path) 
     done, data = _bench(tmp_path, "--nixl", "--cases", "16", *SMALL, "--requests", "20")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["impl"]: row for row in data["results"]}
-    assert set(rows) == {"kvfsm", "kvfsm-nixl"}
+    assert set(rows) == {"kvfsm", "kvfsm-nixl", "raw", "raw-nixl"}
+    # Each engine's raw row: the same requests' writes, as many in flight, on the bare engine.
+    for raw in ("raw", "raw-nixl"):
+        assert (rows[raw]["case"], rows[raw]["requests"]) == ("16", 20) and rows[raw]["gb_s"] > 0
     nixl = rows["kvfsm-nixl"]
     assert (nixl["ok"], nixl["requests"], nixl["bad"]) == (20, 20, 0), nixl
     assert "nixl" in nixl["versions"] and "mooncake-transfer-engine-non-cuda" not in nixl["versions"]
     goals = {goal["text"]: goal for goal in data["goals"]}
     assert goals["kvfsm over NIXL: every request succeeds at 16 in flight"]["met"]
+    assert goals["throughput at 16 in flight, kvfsm over NIXL / raw NIXL writes"]["issue"] == 23
+    assert "throughput against the raw engine with the same writes in flight" in done.stdout
     assert "kvfsm over NIXL" in done.stdout
 
 
@@ -220,7 +233,17 @@ def test_failed_and_unstarted_requests_are_counted_with_their_reasons(tmp_path: 
     # second, as the loop got faster). Neither may crash the benchmark.
     total = 20_000
     done, data = _bench(
-        tmp_path, "--cases", "16", *SMALL, "--requests", str(total), "--room-timeout", "0.001", "--case-timeout", "1"
+        tmp_path,
+        "--cases",
+        "16",
+        *SMALL,
+        "--requests",
+        str(total),
+        "--room-timeout",
+        "0.001",
+        "--case-timeout",
+        "1",
+        "--no-raw",  # the raw engine's rows: no failures to count there
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = data["results"]
