@@ -8,6 +8,11 @@ latency stays near SGLang's"):
 * round trips between two processes: raw TCP, ZeroMQ PUSH/PULL (what the
   control plane rides on, as SGLang's does) and kvfsm's `ControlPlane`
   (the receiving test thread waits on an event, one hand-off more);
+* ``zmq-tuning``:
+  the ZeroMQ round trip three ways, in turns: blocking in zmq's poll (what
+  the control plane does), both ends spinning on non-blocking receives
+  (what a wake-up costs), and over ``ipc://`` (one host only; what the
+  loopback TCP stack costs under ZeroMQ);
 * one page's engine writes: Mooncake, one 64 KiB write and the same bytes
   as four 16 KiB writes (K and V of two layers), from the first submit to
   the last completion, two engines in one process; NIXL (``nixl``), the
@@ -22,7 +27,7 @@ latency stays near SGLang's"):
   sleep each time.
 
 Run from the project root: ``PYTHONPATH=. python benchmarks/latency_parts.py``
-(``--only tcp,zmq,control,mooncake,nixl,naps,codec``; ``--count N`` round
+(``--only tcp,zmq,zmq-tuning,control,mooncake,nixl,naps,codec``; ``--count N`` round
 trips or writes per figure, default 2000; ``--json PATH`` writes every
 figure, and the engine parts' samples, there). Medians, in microseconds.
 An engine's part is skipped, with a line saying why, where that engine is
@@ -33,8 +38,10 @@ Every process it starts ends with it, and it talks only to 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import os
 import random
 import socket
 import statistics
@@ -44,7 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-PARTS = ("tcp", "zmq", "control", "mooncake", "nixl", "naps", "codec")
+PARTS = ("tcp", "zmq", "zmq-tuning", "control", "mooncake", "nixl", "naps", "codec")
 REGIONS = 4  # K and V of two layers: one page is four writes
 PAGE = 64 * 1024
 
@@ -100,43 +107,78 @@ def tcp_round_trip(count: int) -> float:
     return result
 
 
-def _zmq_echo(port_in: int, address_out: str, count: int) -> None:
+def _zmq_receive(sock: Any, spin: bool, timeout_s: float = 10.0) -> list[bytes] | None:
+    """One message: blocking in zmq's poll, or (`spin`) asking without blocking until one is there."""
+    import zmq
+
+    if not spin:
+        return sock.recv_multipart() if sock.poll(int(timeout_s * 1000)) else None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)  # type: ignore[no-any-return]
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                return None
+
+
+def _zmq_echo(port_in: int, address_out: str, count: int, transport: str = "tcp", spin: bool = False) -> None:
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(f"tcp://127.0.0.1:{port_in}")
+    pull.bind(_zmq_endpoint(transport, port_in))
     push.connect(address_out)
     for _ in range(count):
-        if not pull.poll(10_000):
+        frames = _zmq_receive(pull, spin)
+        if frames is None:
             break
-        push.send_multipart(pull.recv_multipart())
+        push.send_multipart(frames)
     ctx.destroy(linger=0)
 
 
-def zmq_round_trip(count: int) -> float:
+def _zmq_endpoint(transport: str, port: int) -> str:
+    if transport == "ipc":
+        return f"ipc:///tmp/kvfsm-latency-parts-{os.getpid() if port == 0 else port}.sock"
+    return f"tcp://127.0.0.1:{port}"
+
+
+def zmq_round_trip(count: int, transport: str = "tcp", spin: bool = False) -> float:
+    """PUSH/PULL round trips to an echo process: `transport` "tcp" (loopback) or "ipc" (a Unix socket,
+    one host only); `spin`: both ends ask without blocking instead of sleeping in zmq's poll."""
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    with socket.socket() as probe:  # a free port for the echo's PULL
+    with socket.socket() as probe:  # free ports (also naming the ipc sockets)
         probe.bind(("127.0.0.1", 0))
         echo_port = probe.getsockname()[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pull.bind(_zmq_endpoint(transport, port))
     echo = multiprocessing.Process(
-        target=_zmq_echo, args=(echo_port, f"tcp://127.0.0.1:{port}", count + 20), daemon=True
+        target=_zmq_echo,
+        args=(echo_port, _zmq_endpoint(transport, port), count + 20, transport, spin),
+        daemon=True,
     )
     echo.start()
-    push.connect(f"tcp://127.0.0.1:{echo_port}")
+    push.connect(_zmq_endpoint(transport, echo_port))
 
     def step() -> None:
         push.send_multipart([b"x" * 100])
-        pull.recv_multipart()
+        if _zmq_receive(pull, spin) is None:
+            raise RuntimeError("the ZeroMQ echo did not answer in 10 s")
 
-    result = _timed(count, step)
-    echo.join(10)
-    ctx.destroy(linger=0)
-    return result
+    try:
+        return _timed(count, step)
+    finally:
+        echo.join(10)
+        ctx.destroy(linger=0)
+        if transport == "ipc":
+            for n in (port, echo_port):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_zmq_endpoint("ipc", n).removeprefix("ipc://"))
 
 
 def _control_echo(address_queue: Any, count: int) -> None:
@@ -506,6 +548,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         show("tcp", "round trip, raw TCP between two processes", tcp_round_trip(args.count))
     if "zmq" in parts:
         show("zmq", "round trip, ZeroMQ PUSH/PULL between two processes", zmq_round_trip(args.count))
+    if "zmq-tuning" in parts:
+        # Measured in turns with the default, so that a busy spell hits them alike.
+        turns = {"zmq_default": ("tcp", False), "zmq_spin": ("tcp", True), "zmq_ipc": ("ipc", False)}
+        found: dict[str, list[float]] = {key: [] for key in turns}
+        for _ in range(3):
+            for key, (transport, spin) in turns.items():
+                found[key].append(zmq_round_trip(max(1, args.count // 3), transport, spin))
+        show(
+            "zmq_default", "ZeroMQ round trip, tcp, blocking (3 turns, median)", statistics.median(found["zmq_default"])
+        )
+        show("zmq_spin", "ZeroMQ round trip, tcp, both ends spinning (NOBLOCK)", statistics.median(found["zmq_spin"]))
+        show("zmq_ipc", "ZeroMQ round trip, ipc (one host only), blocking", statistics.median(found["zmq_ipc"]))
     if "control" in parts:
         show("control", "round trip, kvfsm ControlPlane (+1 thread hand-off)", control_round_trip(args.count))
     if "mooncake" in parts:

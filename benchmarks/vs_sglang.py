@@ -52,6 +52,24 @@ Cases (each both implementations, back to back, the order alternating):
   over the measured phase);
 * ``256``: the same for kvfsm alone (``--sglang-max-inflight``).
 
+Beside the whole request's latency, every request's **critical path** is
+reported (p50 and p99): from the prefill calling its last ``send()`` (kvfsm:
+``send(last=True)``; SGLang: its sender's last ``send()``, the one that
+completes the page count it was given) to the decode's loop seeing
+``Success``. That is the TTFT disaggregation adds when the decode's claim
+went out while the prefill was computing (issue 23). Each round also runs
+the **raw** engine on the same writes (``benchmarks/latency_parts.py`` in a
+child process, two engines in one process, bytes not checked): for the
+one-page case one page's four 16 KiB writes, timed from the first submit to
+the last completion (Mooncake: four ``transfer_submit_write``; NIXL: one
+transfer of four descriptors), the baseline of the critical path; for the
+in-flight cases (up to ``--raw-max-inflight``, 64) the same requests' writes
+(random pages, runs coalesced, one write per run and region) with as many
+requests in flight and kvfsm's per-decode budget of writes in flight, the
+baseline of throughput. ``--no-raw`` skips them. The goals of issue 23 are
+printed below issue 12's, each a ratio within a round, with the range over
+the rounds.
+
 With ``--nixl`` every case also runs kvfsm over NIXL (``NixlBackend``, UCX
 over TCP, the same loop, pools and checks): its own rows and goals (every
 request succeeds; 256 against 16 in flight), no ratio to SGLang, whose

@@ -32,7 +32,7 @@ def _run(*options: str) -> subprocess.CompletedProcess[str]:
 
 def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
     engines = [e for e in ("mooncake", "nixl") if importlib.util.find_spec(e)]
-    parts = ",".join(["tcp", "zmq", "control", "naps", "codec", *engines])
+    parts = ",".join(["tcp", "zmq", "zmq-tuning", "control", "naps", "codec", *engines])
     done = _run("--only", parts, "--count", "50", "--json", str(tmp_path / "parts.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {
@@ -40,7 +40,7 @@ def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
         for line in done.stdout.splitlines()[1:]
         if re.search(r"\d$", line)
     }
-    expected = 7 + (3 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
+    expected = 10 + (3 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
     assert len(figures) == expected, done.stdout
     assert all(value > 0 for value in figures.values()), figures
     # The engines' samples, one per write (what vs_sglang.py's raw rows are made of).
