@@ -214,6 +214,7 @@ class KvfsmTransfer:
     def __init__(self, endpoint: KvfsmEndpoint, handle: Any, pages: list[int], slot: int) -> None:
         self._endpoint, self._handle, self._pages, self._slot = endpoint, handle, pages, slot
         self.room = handle.room
+        self.last_send: float | None = None  # when the prefill called its last send() (the critical path's start)
 
     def poll(self) -> int:
         return int(self._handle.poll())
@@ -227,6 +228,8 @@ class KvfsmTransfer:
             parts = _chunks(self._pages, endpoint.chunks)
             for n, part in enumerate(parts):
                 last = n == len(parts) - 1
+                if last:
+                    self.last_send = time.perf_counter()
                 endpoint.backend.send(handle, part, last=last, aux_index=self._slot if last else None)
         except endpoint.errors:
             pass  # the backend failed the room first; the next poll says Failed
@@ -357,6 +360,7 @@ class SglangPrefillTransfer:
     def __init__(self, endpoint: SglangEndpoint, room: int, pages: list[int], slot: int) -> None:
         self._endpoint, self._pages, self._slot = endpoint, pages, slot
         self._sender = endpoint.sender_class(endpoint.manager, endpoint.peer, SGLANG_ROOM_BASE + room, False)
+        self.last_send: float | None = None  # when its last send() was called (SGLang's sender knows it is the last)
 
     def poll(self) -> int:
         return int(self._sender.poll())
@@ -364,7 +368,10 @@ class SglangPrefillTransfer:
     def start(self) -> None:
         numpy = self._endpoint.numpy
         self._sender.init(len(self._pages), self._slot)
-        for part in _chunks(self._pages, self._endpoint.chunks):
+        parts = _chunks(self._pages, self._endpoint.chunks)
+        for n, part in enumerate(parts):
+            if n == len(parts) - 1:
+                self.last_send = time.perf_counter()
             self._sender.send(numpy.asarray(part, dtype=numpy.int32))
 
     def conclude(self, state: int) -> str | None:
@@ -517,6 +524,9 @@ class SchedulerLoop:
     def _record(self, request: InFlight, why: str) -> None:
         ok = request.state == SUCCESS
         record: dict[str, Any] = {"room": request.room, "start": request.start, "end": request.end, "ok": ok}
+        last_send = getattr(request.transfer, "last_send", None)  # the prefill's; the decode's end closes the cut
+        if last_send is not None:
+            record["last_send"] = last_send
         if ok and self.role == "decode" and not self.pools.check(request.room, request.pages, request.slot):
             record.update(ok=False, bad=True, why="bytes differ from what the prefill wrote")
         elif not ok:

@@ -8,9 +8,18 @@ latency stays near SGLang's"):
 * round trips between two processes: raw TCP, ZeroMQ PUSH/PULL (what the
   control plane rides on, as SGLang's does) and kvfsm's `ControlPlane`
   (the receiving test thread waits on an event, one hand-off more);
+* ``zmq-tuning``:
+  the ZeroMQ round trip three ways, in turns: blocking in zmq's poll (what
+  the control plane does), both ends spinning on non-blocking receives
+  (what a wake-up costs), and over ``ipc://`` (one host only; what the
+  loopback TCP stack costs under ZeroMQ);
 * one page's engine writes: Mooncake, one 64 KiB write and the same bytes
   as four 16 KiB writes (K and V of two layers), from the first submit to
-  the last completion, two engines in one process;
+  the last completion, two engines in one process; NIXL (``nixl``), the
+  same four 16 KiB writes as the one transfer of four descriptors that
+  kvfsm's NIXL backend submits, two agents in one process (these are the
+  ``raw`` rows of `benchmarks/vs_sglang.py`, which runs them through
+  `raw_page_writes`);
 * naps: `time.sleep(20e-6)` with the default timer slack and with 1 us
   (`kvfsm.backends._naps.precise_naps`, what the writer and control
   threads set);
@@ -18,24 +27,32 @@ latency stays near SGLang's"):
   sleep each time.
 
 Run from the project root: ``PYTHONPATH=. python benchmarks/latency_parts.py``
-(``--only tcp,zmq,control,mooncake,naps,codec``; ``--count N`` round trips
-or writes per figure, default 2000). Medians, in microseconds. Mooncake's
-part is skipped, with a line saying why, where Mooncake is not installed.
+(``--only tcp,zmq,zmq-tuning,control,mooncake,nixl,naps,codec``; ``--count N`` round
+trips or writes per figure, default 2000; ``--json PATH`` writes every
+figure, and the engine parts' samples, there). Medians, in microseconds.
+An engine's part is skipped, with a line saying why, where that engine is
+not installed.
 Every process it starts ends with it, and it talks only to 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing
+import os
+import random
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-PARTS = ("tcp", "zmq", "control", "mooncake", "naps", "codec")
+PARTS = ("tcp", "zmq", "zmq-tuning", "control", "mooncake", "nixl", "naps", "codec")
+REGIONS = 4  # K and V of two layers: one page is four writes
 PAGE = 64 * 1024
 
 
@@ -43,7 +60,8 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
+def _samples(count: int, step: Callable[[], object], warmup: int = 20) -> list[float]:
+    """Seconds each of `count` calls of `step` took, after `warmup` unmeasured calls."""
     for _ in range(warmup):
         step()
     samples = []
@@ -51,7 +69,11 @@ def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
         start = time.perf_counter()
         step()
         samples.append(time.perf_counter() - start)
-    return _median_us(samples)
+    return samples
+
+
+def _timed(count: int, step: Callable[[], object], warmup: int = 20) -> float:
+    return _median_us(_samples(count, step, warmup))
 
 
 # -- round trips -------------------------------------------------------------------
@@ -85,43 +107,78 @@ def tcp_round_trip(count: int) -> float:
     return result
 
 
-def _zmq_echo(port_in: int, address_out: str, count: int) -> None:
+def _zmq_receive(sock: Any, spin: bool, timeout_s: float = 10.0) -> list[bytes] | None:
+    """One message: blocking in zmq's poll, or (`spin`) asking without blocking until one is there."""
+    import zmq
+
+    if not spin:
+        return sock.recv_multipart() if sock.poll(int(timeout_s * 1000)) else None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)  # type: ignore[no-any-return]
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                return None
+
+
+def _zmq_echo(port_in: int, address_out: str, count: int, transport: str = "tcp", spin: bool = False) -> None:
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(f"tcp://127.0.0.1:{port_in}")
+    pull.bind(_zmq_endpoint(transport, port_in))
     push.connect(address_out)
     for _ in range(count):
-        if not pull.poll(10_000):
+        frames = _zmq_receive(pull, spin)
+        if frames is None:
             break
-        push.send_multipart(pull.recv_multipart())
+        push.send_multipart(frames)
     ctx.destroy(linger=0)
 
 
-def zmq_round_trip(count: int) -> float:
+def _zmq_endpoint(transport: str, port: int) -> str:
+    if transport == "ipc":
+        return f"ipc:///tmp/kvfsm-latency-parts-{os.getpid() if port == 0 else port}.sock"
+    return f"tcp://127.0.0.1:{port}"
+
+
+def zmq_round_trip(count: int, transport: str = "tcp", spin: bool = False) -> float:
+    """PUSH/PULL round trips to an echo process: `transport` "tcp" (loopback) or "ipc" (a Unix socket,
+    one host only); `spin`: both ends ask without blocking instead of sleeping in zmq's poll."""
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    with socket.socket() as probe:  # a free port for the echo's PULL
+    with socket.socket() as probe:  # free ports (also naming the ipc sockets)
         probe.bind(("127.0.0.1", 0))
         echo_port = probe.getsockname()[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pull.bind(_zmq_endpoint(transport, port))
     echo = multiprocessing.Process(
-        target=_zmq_echo, args=(echo_port, f"tcp://127.0.0.1:{port}", count + 20), daemon=True
+        target=_zmq_echo,
+        args=(echo_port, _zmq_endpoint(transport, port), count + 20, transport, spin),
+        daemon=True,
     )
     echo.start()
-    push.connect(f"tcp://127.0.0.1:{echo_port}")
+    push.connect(_zmq_endpoint(transport, echo_port))
 
     def step() -> None:
         push.send_multipart([b"x" * 100])
-        pull.recv_multipart()
+        if _zmq_receive(pull, spin) is None:
+            raise RuntimeError("the ZeroMQ echo did not answer in 10 s")
 
-    result = _timed(count, step)
-    echo.join(10)
-    ctx.destroy(linger=0)
-    return result
+    try:
+        return _timed(count, step)
+    finally:
+        echo.join(10)
+        ctx.destroy(linger=0)
+        if transport == "ipc":
+            for n in (port, echo_port):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_zmq_endpoint("ipc", n).removeprefix("ipc://"))
 
 
 def _control_echo(address_queue: Any, count: int) -> None:
@@ -175,8 +232,8 @@ def control_round_trip(count: int) -> float:
 # -- engine writes -----------------------------------------------------------------
 
 
-def mooncake_page(count: int) -> tuple[float, float]:
-    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion."""
+def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
+    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion (seconds each)."""
     import torch
     from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
@@ -206,7 +263,204 @@ def mooncake_page(count: int) -> tuple[float, float]:
 
         return step
 
-    return _timed(count, writes(1)), _timed(count, writes(4))
+    return _samples(count, writes(1)), _samples(count, writes(REGIONS))
+
+
+def mooncake_page(count: int) -> tuple[float, float]:
+    """Medians (us) of `mooncake_page_samples`."""
+    one, four = mooncake_page_samples(count)
+    return _median_us(one), _median_us(four)
+
+
+def nixl_page_samples(count: int) -> list[float]:
+    """One page's four 16 KiB writes as one NIXL transfer of four descriptors, as kvfsm submits them.
+
+    Two agents (UCX, no progress thread, as `NixlBackend` runs them) in one
+    process; from `initialize_xfer` to `check_xfer_state` saying DONE, the
+    receiving agent polled as kvfsm's decode polls it. Seconds each.
+    """
+    import torch
+
+    from kvfsm.backends.nixl import _import_nixl
+
+    nixl_agent, nixl_agent_config = _import_nixl()
+    src = torch.ones(PAGE, dtype=torch.uint8)
+    dst = torch.zeros(PAGE, dtype=torch.uint8)
+    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    a, b = nixl_agent("raw-a", config), nixl_agent("raw-b", config)
+    a.register_memory([(src.data_ptr(), PAGE, 0, "")], "DRAM")
+    b.register_memory([(dst.data_ptr(), PAGE, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    size = PAGE // REGIONS
+    local = a.get_xfer_descs([(src.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
+    remote = a.get_xfer_descs([(dst.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
+
+    def step() -> None:
+        handle = a.initialize_xfer("WRITE", local, remote, name, b"")
+        state = a.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("NIXL write ended with ERR")
+            b.get_new_notifs()  # the receiving side's progress, as kvfsm's decode makes it
+            state = a.check_xfer_state(handle)
+        a.release_xfer_handle(handle)
+
+    return _samples(count, step)
+
+
+def raw_page_writes(engine: str, count: int) -> list[float]:
+    """The raw engine's time for one page's writes as kvfsm issues them (seconds, one per page).
+
+    `engine` is "mooncake" (four `transfer_submit_write`, then each polled)
+    or "nixl" (one transfer of four descriptors).
+    """
+    if engine == "mooncake":
+        return mooncake_page_samples(count)[1]
+    if engine == "nixl":
+        return nixl_page_samples(count)
+    raise ValueError(f"engine must be 'mooncake' or 'nixl'; got {engine!r}")
+
+
+def _scattered_writes(rng: random.Random, pages: int, pool_pages: int, region: int) -> list[tuple[int, int, int]]:
+    """One request's writes as kvfsm makes them: random pages, runs of contiguous pairs coalesced, one per region.
+
+    (offset in the source, offset in the destination, bytes); region r of
+    the pool starts at r * pool_pages * region.
+    """
+    from kvfsm.backends.remote import coalesce_runs
+
+    src = rng.sample(range(pool_pages), pages)
+    dst = rng.sample(range(pool_pages), pages)
+    writes = []
+    for start_s, start_d, count in coalesce_runs(src, dst):
+        for r in range(REGIONS):
+            base = r * pool_pages * region
+            writes.append((base + start_s * region, base + start_d * region, count * region))
+    return writes
+
+
+def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: int | None = None) -> dict[str, float]:
+    """The raw engine's throughput for 4 MiB-style requests with the same writes in flight as kvfsm's.
+
+    `requests` requests of `pages` scattered pages (the writes kvfsm makes
+    of them: runs coalesced, one write per run and region), `inflight` of
+    them at a time, at most `budget` writes in flight (kvfsm's per-decode
+    default: 512 for Mooncake, 1024 for NIXL) and 64 writes per submit (a
+    claim's slice per turn; Mooncake submits them one by one). Two engines
+    in one process; the bytes are not checked. Returns GB/s and seconds.
+    """
+    import torch
+
+    region = PAGE // REGIONS
+    pool_pages = max(2 * pages, 256)
+    size = pool_pages * region * REGIONS
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    rng = random.Random(23)
+    todo = [_scattered_writes(rng, pages, pool_pages, region) for _ in range(requests)]
+    from kvfsm.backends._naps import precise_naps
+
+    precise_naps()  # this thread's naps as short as the writer's
+    submit, poll, close = _stream_engine(engine, src, dst)
+    budget = budget or (512 if engine == "mooncake" else 1024)
+    waiting: list[list[tuple[int, int, int]]] = []  # per request in flight: writes not yet submitted
+    jobs: list[tuple[Any, int]] = []  # (job, writes) in submission order
+    began = time.perf_counter()
+    done_bytes = sum(w[2] for request in todo for w in request)
+    in_flight = 0
+    pending = list(reversed(todo))
+    try:
+        while pending or waiting or jobs:
+            while pending and len(waiting) < inflight:
+                waiting.append(list(pending.pop()))
+            for writes in waiting:
+                while writes and in_flight < budget:
+                    part = writes[: min(64, budget - in_flight)]
+                    del writes[: len(part)]
+                    jobs.append((submit(part), len(part)))
+                    in_flight += len(part)
+            waiting = [w for w in waiting if w]
+            still = []
+            for job, count in jobs:
+                if poll(job):
+                    in_flight -= count
+                else:
+                    still.append((job, count))
+            if len(still) == len(jobs) and still:
+                time.sleep(20e-6)  # nothing ended: nap as kvfsm's writer does (a spin takes the engine's core)
+            jobs = still
+    finally:
+        close()
+    elapsed = time.perf_counter() - began
+    return {"gb_s": done_bytes / elapsed / 1e9, "seconds": elapsed, "bytes": done_bytes, "requests": requests}
+
+
+def _stream_engine(
+    engine: str, src: Any, dst: Any
+) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
+    """submit(writes) -> job, poll(job) -> ended, close(): two engines in one process, src -> dst."""
+    nbytes = src.numel()
+    if engine == "mooncake":
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        a, b = TransferEngine(), TransferEngine()
+        for each in (a, b):
+            if each.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise RuntimeError("Mooncake TransferEngine.initialize failed")
+        a.register_memory(src.data_ptr(), nbytes)
+        b.register_memory(dst.data_ptr(), nbytes)
+        target = f"127.0.0.1:{b.get_rpc_port()}"
+        s0, d0 = src.data_ptr(), dst.data_ptr()
+
+        def submit(writes: list[tuple[int, int, int]]) -> Any:
+            return [a.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
+
+        def poll(batches: list[int]) -> bool:
+            while batches:
+                status = a.transfer_check_status(batches[0])
+                if status == 0:
+                    return False
+                if status != 1:
+                    raise RuntimeError(f"Mooncake write ended with status {status}")
+                batches.pop(0)
+            return True
+
+        held = (a, b)  # the receiving engine must outlive the writes: only `close` drops it
+        return submit, poll, held.__len__
+    if engine == "nixl":
+        from kvfsm.backends.nixl import _import_nixl
+
+        nixl_agent, nixl_agent_config = _import_nixl()
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        na, nb = nixl_agent("raw-stream-a", config), nixl_agent("raw-stream-b", config)
+        na.register_memory([(src.data_ptr(), nbytes, 0, "")], "DRAM")
+        nb.register_memory([(dst.data_ptr(), nbytes, 0, "")], "DRAM")
+        name = na.add_remote_agent(nb.get_agent_metadata())
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        s1, d1 = src.data_ptr(), dst.data_ptr()
+
+        def submit_nixl(writes: list[tuple[int, int, int]]) -> Any:
+            local = na.get_xfer_descs([(s1 + s, n, 0) for s, _, n in writes], "DRAM")
+            remote = na.get_xfer_descs([(d1 + d, n, 0) for _, d, n in writes], "DRAM")
+            handle = na.initialize_xfer("WRITE", local, remote, name, b"")
+            if na.transfer(handle) == "ERR":
+                raise RuntimeError("NIXL transfer returned ERR")
+            return handle
+
+        def poll_nixl(handle: Any) -> bool:
+            nb.get_new_notifs()
+            state = na.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL write ended with ERR")
+            if state == "DONE":
+                na.release_xfer_handle(handle)
+                return True
+            return False
+
+        agents = (na, nb)
+        return submit_nixl, poll_nixl, agents.__len__
+    raise ValueError(f"engine must be 'mooncake' or 'nixl'; got {engine!r}")
 
 
 # -- naps and cold code ------------------------------------------------------------
@@ -252,10 +506,28 @@ def codec(count: int) -> tuple[float, float]:
     return hot, _median_us(samples)
 
 
+def _percentile_us(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[int(fraction * (len(ordered) - 1))] * 1e6
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The parts of a one-page cross-process request, each alone.")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts (default {','.join(PARTS)})")
     parser.add_argument("--count", type=int, default=2000, help="round trips or writes per figure (default 2000)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every figure (us) and the engine parts' samples (s) there"
+    )
+    parser.add_argument(
+        "--stream",
+        metavar="N",
+        type=int,
+        action="append",
+        default=[],
+        help="also the engine parts' throughput with N requests in flight (repeatable; see raw_stream)",
+    )
+    parser.add_argument("--stream-requests", type=int, default=100, help="requests per --stream figure (default 100)")
+    parser.add_argument("--stream-pages", type=int, default=64, help="64 KiB pages per --stream request (default 64)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -263,29 +535,76 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     if args.count < 1:
         parser.error("--count must be at least 1")
+    figures: dict[str, float] = {}
+    samples: dict[str, list[float]] = {}
+    skipped: dict[str, str] = {}
+
+    def show(key: str, text: str, value: float) -> None:
+        figures[key] = value
+        print(f"  {text:<52}{value:8.1f}", flush=True)
+
     print(f"medians over {args.count} (naps and cold code: 500), microseconds")
     if "tcp" in parts:
-        print(f"  round trip, raw TCP between two processes          {tcp_round_trip(args.count):8.1f}")
+        show("tcp", "round trip, raw TCP between two processes", tcp_round_trip(args.count))
     if "zmq" in parts:
-        print(f"  round trip, ZeroMQ PUSH/PULL between two processes  {zmq_round_trip(args.count):8.1f}")
+        show("zmq", "round trip, ZeroMQ PUSH/PULL between two processes", zmq_round_trip(args.count))
+    if "zmq-tuning" in parts:
+        # Measured in turns with the default, so that a busy spell hits them alike.
+        turns = {"zmq_default": ("tcp", False), "zmq_spin": ("tcp", True), "zmq_ipc": ("ipc", False)}
+        found: dict[str, list[float]] = {key: [] for key in turns}
+        for _ in range(3):
+            for key, (transport, spin) in turns.items():
+                found[key].append(zmq_round_trip(max(1, args.count // 3), transport, spin))
+        show(
+            "zmq_default", "ZeroMQ round trip, tcp, blocking (3 turns, median)", statistics.median(found["zmq_default"])
+        )
+        show("zmq_spin", "ZeroMQ round trip, tcp, both ends spinning (NOBLOCK)", statistics.median(found["zmq_spin"]))
+        show("zmq_ipc", "ZeroMQ round trip, ipc (one host only), blocking", statistics.median(found["zmq_ipc"]))
     if "control" in parts:
-        print(f"  round trip, kvfsm ControlPlane (+1 thread hand-off) {control_round_trip(args.count):8.1f}")
+        show("control", "round trip, kvfsm ControlPlane (+1 thread hand-off)", control_round_trip(args.count))
     if "mooncake" in parts:
         try:
-            one, four = mooncake_page(args.count)
+            one, four = mooncake_page_samples(args.count)
         except ImportError as exc:
+            skipped["mooncake"] = str(exc)
             print(f"  Mooncake: skipped ({exc})")
         else:
-            print(f"  Mooncake, one 64 KiB write, submit to completion    {one:8.1f}")
-            print(f"  Mooncake, four 16 KiB writes (one page, 4 regions)  {four:8.1f}")
+            samples.update(mooncake_one=one, mooncake=four)
+            show("mooncake_one", "Mooncake, one 64 KiB write, submit to completion", _median_us(one))
+            show("mooncake", "Mooncake, four 16 KiB writes (one page, 4 regions)", _median_us(four))
+            show("mooncake_p99", "Mooncake, the same four writes, p99", _percentile_us(four, 0.99))
+    if "nixl" in parts:
+        try:
+            nixl = nixl_page_samples(args.count)
+        except ImportError as exc:
+            skipped["nixl"] = str(exc)
+            print(f"  NIXL: skipped ({exc})")
+        else:
+            samples["nixl"] = nixl
+            show("nixl", "NIXL, four 16 KiB writes in one transfer", _median_us(nixl))
+            show("nixl_p99", "NIXL, the same transfer, p99", _percentile_us(nixl, 0.99))
+    streams: dict[str, dict[str, float]] = {}
+    for engine in (e for e in ("mooncake", "nixl") if e in parts and e not in skipped):
+        for inflight in args.stream:
+            found = raw_stream(engine, inflight, args.stream_requests, args.stream_pages)
+            streams[f"{engine}/{inflight}"] = found
+            print(
+                f"  {engine}, {args.stream_requests} requests of {args.stream_pages} pages, {inflight} in flight: "
+                f"{found['gb_s']:.3f} GB/s",
+                flush=True,
+            )
     if "naps" in parts:
         default, precise = naps()
-        print(f"  time.sleep(20e-6), default timer slack              {default:8.1f}")
-        print(f"  time.sleep(20e-6), timer slack 1 us                 {precise:8.1f}")
+        show("nap_default", "time.sleep(20e-6), default timer slack", default)
+        show("nap_precise", "time.sleep(20e-6), timer slack 1 us", precise)
     if "codec" in parts:
         hot, cold = codec(args.count)
-        print(f"  encode a ROOM frame, hot                            {hot:8.1f}")
-        print(f"  encode a ROOM frame, after a 1 ms sleep             {cold:8.1f}")
+        show("codec_hot", "encode a ROOM frame, hot", hot)
+        show("codec_cold", "encode a ROOM frame, after a 1 ms sleep", cold)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"figures_us": figures, "samples_s": samples, "skipped": skipped, "streams": streams})
+        )
     return 0
 
 

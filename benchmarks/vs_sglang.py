@@ -52,6 +52,24 @@ Cases (each both implementations, back to back, the order alternating):
   over the measured phase);
 * ``256``: the same for kvfsm alone (``--sglang-max-inflight``).
 
+Beside the whole request's latency, every request's **critical path** is
+reported (p50 and p99): from the prefill calling its last ``send()`` (kvfsm:
+``send(last=True)``; SGLang: its sender's last ``send()``, the one that
+completes the page count it was given) to the decode's loop seeing
+``Success``. That is the TTFT disaggregation adds when the decode's claim
+went out while the prefill was computing (issue 23). Each round also runs
+the **raw** engine on the same writes (``benchmarks/latency_parts.py`` in a
+child process, two engines in one process, bytes not checked): for the
+one-page case one page's four 16 KiB writes, timed from the first submit to
+the last completion (Mooncake: four ``transfer_submit_write``; NIXL: one
+transfer of four descriptors), the baseline of the critical path; for the
+in-flight cases (up to ``--raw-max-inflight``, 64) the same requests' writes
+(random pages, runs coalesced, one write per run and region) with as many
+requests in flight and kvfsm's per-decode budget of writes in flight, the
+baseline of throughput. ``--no-raw`` skips them. The goals of issue 23 are
+printed below issue 12's, each a ratio within a round, with the range over
+the rounds.
+
 With ``--nixl`` every case also runs kvfsm over NIXL (``NixlBackend``, UCX
 over TCP, the same loop, pools and checks): its own rows and goals (every
 request succeeds; 256 against 16 in flight), no ratio to SGLang, whose
@@ -120,10 +138,20 @@ from typing import Any
 PAGE_BYTES = 64 << 10
 REQUEST_PAGES = 64  # 4 MiB at 64 KiB pages
 PEER = Path(__file__).resolve().with_name("_vs_sglang_peer.py")  # what each child process runs
+PARTS = Path(__file__).resolve().with_name("latency_parts.py")  # the raw engines' writes (the `raw` rows)
 SETUP_TIMEOUT = 300.0  # a child's imports and engine start (SGLang takes ~20 s on a busy machine)
 EXIT_GRACE = 15.0  # a child's own shutdown before it is terminated
-IMPLS = ("kvfsm", "kvfsm-nixl", "sglang")
-IMPL_TITLES = {"kvfsm": "kvfsm over Mooncake", "kvfsm-nixl": "kvfsm over NIXL", "sglang": "SGLang 0.5.23 Mooncake"}
+IMPLS = ("kvfsm", "kvfsm-nixl", "sglang", "raw", "raw-nixl")
+IMPL_TITLES = {
+    "kvfsm": "kvfsm over Mooncake",
+    "kvfsm-nixl": "kvfsm over NIXL",
+    "sglang": "SGLang 0.5.23 Mooncake",
+    "raw": "raw Mooncake writes",
+    "raw-nixl": "raw NIXL writes",
+}
+RAW_ENGINES = {"raw": "mooncake", "raw-nixl": "nixl"}  # the raw rows and the latency_parts engine each runs
+RAW_TIMEOUT = 300.0  # seconds for one raw measurement (engine start included)
+RAW_STREAM_REQUESTS = 256  # at most this many requests in a raw throughput figure
 Key = tuple[str, str]  # (implementation, case name)
 
 
@@ -329,6 +357,10 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
     latencies = sorted(
         max(prefill[r]["end"], decode[r]["end"]) - min(prefill[r]["start"], decode[r]["start"]) for r in ok_rooms
     )
+    # The critical path: from the prefill's last send() to the decode's loop seeing Success.
+    critical = sorted(
+        decode[r]["end"] - prefill[r]["last_send"] for r in ok_rooms if prefill[r].get("last_send") is not None
+    )
     seen = [side[r] for side in (prefill, decode) for r in measured if r in side]
     starts = [r["start"] for r in seen]
     ends = [r["end"] for r in seen if r["end"] is not None]
@@ -354,7 +386,10 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
         "bytes_checked": len(ok_rooms) * request_bytes,
         "elapsed_s": elapsed,
         "latency_p50_s": statistics.median(latencies) if latencies else None,
-        "latency_p90_s": latencies[int(0.9 * (len(latencies) - 1))] if latencies else None,
+        "latency_p90_s": _percentile(latencies, 0.9),
+        "latency_p99_s": _percentile(latencies, 0.99),
+        "critical_p50_s": statistics.median(critical) if critical else None,
+        "critical_p99_s": _percentile(critical, 0.99),
         "gb_s": len(ok_rooms) * request_bytes / elapsed / 1e9 if elapsed else 0.0,
         "requests_s": len(ok_rooms) / elapsed if elapsed else 0.0,
         "cpu_s_per_request": sum(own_cpu.values()) / case.requests,
@@ -363,6 +398,97 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
         "harness_cpu_s_per_request": sum(reports[side]["harness_cpu_s"] for side in reports) / case.requests,
         "failures": dict(failures.most_common()),
     }
+
+
+def _percentile(ordered: list[float], fraction: float) -> float | None:
+    """The value at `fraction` of a sorted list (the lower neighbour; None if empty)."""
+    return ordered[int(fraction * (len(ordered) - 1))] if ordered else None
+
+
+def raw_row(impl: str, samples: list[float]) -> dict[str, Any]:
+    """A `raw` row: one page's writes on the bare engine (`latency_parts.raw_page_writes`), seconds each.
+
+    Its critical path is the writes' own time, from the first submit to the
+    last completion: what the critical path of kvfsm's one-page request is
+    measured against. It has no whole-request, throughput or CPU figures.
+    """
+    ordered = sorted(samples)
+    return {
+        "impl": impl,
+        "case": "lat",
+        "title": Case("lat", 1, 1, 1, len(samples), 0).title,
+        "inflight": 1,
+        "request_bytes": PAGE_BYTES,
+        "requests": len(samples),
+        "ok": len(samples),
+        "bad": 0,
+        "bytes_checked": 0,  # the raw writes' bytes are not checked
+        "elapsed_s": sum(samples),
+        "latency_p50_s": None,
+        "latency_p90_s": None,
+        "latency_p99_s": None,
+        "critical_p50_s": statistics.median(ordered) if ordered else None,
+        "critical_p99_s": _percentile(ordered, 0.99),
+        "gb_s": None,
+        "requests_s": None,
+        "cpu_s_per_request": None,
+        "failures": {},
+        "versions": {},
+        "pids": [],
+    }
+
+
+def raw_stream_row(impl: str, case: Case, found: dict[str, float]) -> dict[str, Any]:
+    """A `raw` row of an in-flight case: the bare engine's throughput with the same writes in flight."""
+    return {
+        **raw_row(impl, []),
+        "case": case.name,
+        "title": case.title,
+        "inflight": case.inflight,
+        "request_bytes": case.pages * PAGE_BYTES,
+        "requests": int(found["requests"]),
+        "ok": int(found["requests"]),
+        "elapsed_s": found["seconds"],
+        "gb_s": found["gb_s"],
+        "requests_s": found["requests"] / found["seconds"] if found["seconds"] else None,
+    }
+
+
+def run_raw(impl: str, case: Case, log_dir: Path) -> dict[str, Any]:
+    """Measure `impl`'s raw writes for `case` in a child process (`latency_parts.py`); its row.
+
+    The one-page case: one page's writes, `case.requests` times (their time
+    each). An in-flight case: `case.requests` requests of the same size with
+    as many in flight and kvfsm's per-decode budget of writes in flight
+    (`latency_parts.raw_stream`; throughput).
+    """
+    out = log_dir / f"{impl}.json"
+    log = log_dir / f"{impl}.log"
+    engine = RAW_ENGINES[impl]
+    env = child_env("kvfsm", {})
+    command = [sys.executable, str(PARTS), "--only", engine, "--json", str(out)]
+    if case.name == "lat":
+        command += ["--count", str(case.requests)]
+    else:  # one page's writes only a few times: the figure is the stream's
+        requests = min(case.requests, RAW_STREAM_REQUESTS)
+        command += ["--count", "5", "--stream", str(case.inflight), "--stream-requests", str(requests)]
+        command += ["--stream-pages", str(case.pages)]
+    try:
+        with open(log, "wb") as sink:
+            done = subprocess.run(
+                command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=RAW_TIMEOUT
+            )
+    except subprocess.TimeoutExpired:
+        raise CaseError(f"{IMPL_TITLES[impl]}: no result after {RAW_TIMEOUT:.0f}s") from None
+    tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-10:])
+    if done.returncode != 0 or not out.exists():
+        raise CaseError(f"{IMPL_TITLES[impl]}: latency_parts exited with {done.returncode}\n    {tail}")
+    data = json.loads(out.read_text())
+    if engine not in data["samples_s"]:
+        raise CaseError(f"{IMPL_TITLES[impl]}: skipped ({data['skipped'].get(engine, '?')})")
+    if case.name == "lat":
+        return raw_row(impl, data["samples_s"][engine])
+    return raw_stream_row(impl, case, data["streams"][f"{engine}/{case.inflight}"])
 
 
 def _normalize(why: str) -> str:
@@ -383,6 +509,8 @@ class Goal:
     higher_is_better: bool
     note: str = ""  # why the figures are not comparable (requests failed), if they are not
     shown: str = ""  # the value as printed, where a ratio is not the natural form
+    rounds: list[float] = field(default_factory=list)  # the ratio in each round, when there were several
+    issue: int = 12
     met: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -395,6 +523,8 @@ class Goal:
             value, limit = self.shown, "all"
         else:
             value = "-" if self.value is None else f"{self.value:.2f}x"
+            if len(self.rounds) > 1:
+                value += f" (rounds {min(self.rounds):.2f}-{max(self.rounds):.2f})"
             limit = f"{'>=' if self.higher_is_better else '<='} {self.limit:g}x"
         note = f"; not comparable: {self.note}" if self.note and not self.shown else ""
         return f"  {'met' if self.met else 'MISSED':<7}{self.text}: {value} (goal {limit}{note})"
@@ -416,6 +546,61 @@ RATIO_GOALS = [
     ("kvfsm: throughput at 256 in flight / at 16", ("kvfsm", "256"), ("kvfsm", "16"), "gb_s", 0.9, True),
     (
         "kvfsm over NIXL: throughput at 256 in flight / at 16",
+        ("kvfsm-nixl", "256"),
+        ("kvfsm-nixl", "16"),
+        "gb_s",
+        0.9,
+        True,
+    ),
+]
+
+
+#: Issue 23's ratio goals, the same form. The critical path runs from the prefill's last
+#: send() to the decode's loop seeing Success; the raw rows are the bare engine's writes.
+ISSUE23_GOALS = [
+    (
+        "critical path, one page (p50), kvfsm over Mooncake / raw Mooncake writes",
+        ("kvfsm", "lat"),
+        ("raw", "lat"),
+        "critical_p50_s",
+        1.5,
+        False,
+    ),
+    (
+        "critical path, one page (p50), kvfsm over NIXL / raw NIXL writes",
+        ("kvfsm-nixl", "lat"),
+        ("raw-nixl", "lat"),
+        "critical_p50_s",
+        1.5,
+        False,
+    ),
+    ("whole one-page request (p50), kvfsm / SGLang", ("kvfsm", "lat"), ("sglang", "lat"), "latency_p50_s", 0.5, False),
+    *[
+        (f"throughput at {n} in flight, kvfsm / SGLang (issue 23)", ("kvfsm", n), ("sglang", n), "gb_s", 2.0, True)
+        for n in ("4", "16", "64")
+    ],
+    *[
+        (
+            f"CPU per request at {n} in flight, kvfsm / SGLang (issue 23)",
+            ("kvfsm", n),
+            ("sglang", n),
+            "cpu_s_per_request",
+            0.5,
+            False,
+        )
+        for n in ("4", "16", "64")
+    ],
+    *[
+        (f"throughput at {n} in flight, {title} / raw {engine} writes", (impl, n), (raw, n), "gb_s", 0.9, True)
+        for n in ("4", "16", "64")
+        for impl, raw, title, engine in (
+            ("kvfsm", "raw", "kvfsm over Mooncake", "Mooncake"),
+            ("kvfsm-nixl", "raw-nixl", "kvfsm over NIXL", "NIXL"),
+        )
+    ],
+    ("kvfsm over Mooncake: throughput at 256 in flight / at 16", ("kvfsm", "256"), ("kvfsm", "16"), "gb_s", 0.9, True),
+    (
+        "kvfsm over NIXL: throughput at 256 in flight / at 16 (issue 23)",
         ("kvfsm-nixl", "256"),
         ("kvfsm-nixl", "16"),
         "gb_s",
@@ -461,8 +646,17 @@ class Results:
         merged = dict(rows[0])
         for name in ("ok", "requests", "bad", "bytes_checked"):
             merged[name] = sum(r[name] for r in rows)
-        for name in ("latency_p50_s", "latency_p90_s", "gb_s", "requests_s", "cpu_s_per_request"):
-            values = [r[name] for r in rows if r[name] is not None]
+        for name in (
+            "latency_p50_s",
+            "latency_p90_s",
+            "latency_p99_s",
+            "critical_p50_s",
+            "critical_p99_s",
+            "gb_s",
+            "requests_s",
+            "cpu_s_per_request",
+        ):
+            values = [r[name] for r in rows if r.get(name) is not None]
             merged[name] = statistics.median(values) if values else None
         failures: collections.Counter[str] = collections.Counter()
         for r in rows:
@@ -476,7 +670,7 @@ class Results:
         ratios = []
         for row in self.rounds.get(figure, []):
             other = base.get(row["round"])
-            value = _ratio(row[name], other[name]) if other is not None else None
+            value = _ratio(row.get(name), other.get(name)) if other is not None else None
             if value is not None:
                 ratios.append(value)
         return (statistics.median(ratios) if ratios else None), ratios
@@ -501,10 +695,12 @@ def evaluate_goals(results: Results) -> list[Goal]:
                 text = f"{IMPL_TITLES[impl]}: every request succeeds at {case} in flight"
                 shown = f"{row['ok']}/{row['requests']}"
                 goals.append(Goal(text, row["ok"] / row["requests"], 1.0, True, shown=shown))
-    for text, figure, baseline, name, limit, higher in RATIO_GOALS:
-        if figure in results and baseline in results:
-            value, _ = results.ratio(figure, baseline, name)
-            goals.append(Goal(text, value, limit, higher, note=results.shortfall(figure, baseline)))
+    for issue, table in ((12, RATIO_GOALS), (23, ISSUE23_GOALS)):
+        for text, figure, baseline, name, limit, higher in table:
+            if figure in results and baseline in results:
+                value, rounds = results.ratio(figure, baseline, name)
+                note = results.shortfall(figure, baseline)
+                goals.append(Goal(text, value, limit, higher, note=note, rounds=rounds, issue=issue))
     return goals
 
 
@@ -512,26 +708,100 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.0f} us"
+
+
+def _ratio_cell(results: Results, figure: Key, baseline: Key, name: str) -> str:
+    value, rounds = results.ratio(figure, baseline, name)
+    cell = "-" if value is None else f"{value:.2f}x"
+    if len(rounds) > 1:
+        cell += f" ({min(rounds):.2f}-{max(rounds):.2f})"
+    return cell
+
+
+def _raw_throughput_lines(cases: list[Case], results: Results) -> list[str]:
+    """Throughput of each engine's kvfsm rows against the raw engine with the same writes in flight."""
+    lines = []
+    for case in cases:
+        if case.name == "lat":
+            continue
+        cells = []
+        for impl, raw in (("kvfsm", "raw"), ("kvfsm-nixl", "raw-nixl")):
+            ours, theirs = (impl, case.name), (raw, case.name)
+            if ours in results and theirs in results:
+                cells.append(f"{IMPL_TITLES[impl]} {_ratio_cell(results, ours, theirs, 'gb_s')}")
+        if cells:
+            lines.append(f"  {case.title:<30} " + ";  ".join(cells))
+    if not lines:
+        return []
+    return ["", "throughput against the raw engine with the same writes in flight (higher is better):", *lines]
+
+
+def _critical_lines(cases: list[Case], results: Results) -> list[str]:
+    """The one-page critical path (last send() to the decode seeing Success) against the raw engine and SGLang."""
+    if not any(case.name == "lat" for case in cases):
+        return []
+    pairs = [
+        ("kvfsm", "raw", "kvfsm over Mooncake / raw Mooncake writes"),
+        ("kvfsm-nixl", "raw-nixl", "kvfsm over NIXL / raw NIXL writes"),
+        ("kvfsm", "sglang", "kvfsm over Mooncake / SGLang"),
+        ("sglang", "raw", "SGLang / raw Mooncake writes"),
+    ]
+    lines = []
+    for figure, baseline, text in pairs:
+        ours, theirs = (figure, "lat"), (baseline, "lat")
+        if ours not in results or theirs not in results:
+            continue
+        cells = [_ratio_cell(results, ours, theirs, name) for name in ("critical_p50_s", "critical_p99_s")]
+        short = results.shortfall(ours, theirs)
+        lines.append(f"  {text:<44} {cells[0]:>18} {cells[1]:>18}" + (f"  * not comparable: {short}" if short else ""))
+    if not lines:
+        return []
+    head = f"  {'':<44} {'p50':>18} {'p99':>18}"
+    return [
+        "",
+        "critical path of a one-page request (the prefill's last send() to the decode seeing Success):",
+        head,
+        *lines,
+    ]
+
+
 def format_report(cases: list[Case], results: Results, errors: list[str]) -> list[str]:
     impls = results.impls()
     lines = [
         f"{'case':<30} {'implementation':<24} {'ok/requests':>11} {'latency p50':>12} {'p90':>10} "
-        f"{'GB/s':>7} {'req/s':>7} {'CPU/request':>12}"
+        f"{'GB/s':>7} {'req/s':>7} {'CPU/request':>12} {'critical p50':>13} {'p99':>10}"
     ]
     for case in cases:
-        for n, impl in enumerate(impls):
+        shown = 0
+        for impl in impls:
             row = results.row((impl, case.name))
-            head = case.title if n == 0 else ""
+            head = case.title if shown == 0 else ""
             if row is None:
+                if impl in RAW_ENGINES:
+                    continue  # a case without a raw row (larger than --raw-max-inflight, or skipped)
                 lines.append(f"{head:<30} {IMPL_TITLES[impl]:<24} {'not run':>11}")
+                shown += 1
+                continue
+            shown += 1
+            critical = f"{_us(row.get('critical_p50_s')):>13} {_us(row.get('critical_p99_s')):>10}"
+            if impl in RAW_ENGINES:
+                gb_s = "" if row["gb_s"] is None else f"{row['gb_s']:.3f}"
+                lines.append(
+                    f"{head:<30} {IMPL_TITLES[impl]:<24} {row['ok']:>5}/{row['requests']:<5} {'':>24}{gb_s:>7} "
+                    f"{'':>21}{critical}"
+                )
                 continue
             flag = "" if row["ok"] == row["requests"] else " *"
             lines.append(
                 f"{head:<30} {IMPL_TITLES[impl]:<24} {row['ok']:>5}/{row['requests']:<5} "
                 f"{_ms(row['latency_p50_s']):>12} {_ms(row['latency_p90_s']):>10} {row['gb_s']:>7.3f} "
-                f"{row['requests_s']:>7.1f} {_ms(row['cpu_s_per_request']):>12}{flag}"
+                f"{row['requests_s']:>7.1f} {_ms(row['cpu_s_per_request']):>12} {critical}{flag}"
                 + (f"  BAD BYTES in {row['bad']}" if row["bad"] else "")
             )
+    lines += _critical_lines(cases, results)
+    lines += _raw_throughput_lines(cases, results)
     if "kvfsm" in impls and "sglang" in impls:
         lines += ["", "kvfsm / SGLang, same run (latency and CPU: lower is better; throughput: higher):"]
         lines.append(f"{'case':<30} {'latency p50':>18} {'throughput':>18} {'CPU/request':>18}")
@@ -539,13 +809,9 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
             ours, theirs = ("kvfsm", case.name), ("sglang", case.name)
             if ours not in results or theirs not in results:
                 continue
-            cells = []
-            for name in ("latency_p50_s", "gb_s", "cpu_s_per_request"):
-                value, rounds = results.ratio(ours, theirs, name)
-                cell = "-" if value is None else f"{value:.2f}x"
-                if len(rounds) > 1:
-                    cell += f" ({min(rounds):.2f}-{max(rounds):.2f})"
-                cells.append(cell)
+            cells = [
+                _ratio_cell(results, ours, theirs, name) for name in ("latency_p50_s", "gb_s", "cpu_s_per_request")
+            ]
             short = results.shortfall(ours, theirs)
             lines.append(
                 f"{case.title:<30} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18}"
@@ -607,6 +873,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--repeat", type=int, default=1, help="rounds of every case, interleaved; medians are printed (default 1)"
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure, the goals and the settings there")
+    parser.add_argument(
+        "--no-raw", action="store_true", help="skip the raw engines' rows (the same writes on the bare engine)"
+    )
+    parser.add_argument(
+        "--raw-max-inflight", type=int, default=64, help="in-flight cases above this get no raw row (default 64)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         if args.cases == parser.get_default("cases"):
@@ -658,6 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pythons["kvfsm-nixl"] = sys.executable
     if args.sglang_python:
         pythons["sglang"] = args.sglang_python
+    raw_impls = [] if args.no_raw else ["raw", *(["raw-nixl"] if args.nixl else [])]
     results = Results()
     errors: list[str] = []
     began = time.monotonic()
@@ -665,8 +938,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for round_ in range(args.repeat):
             for n, case in enumerate(cases):
                 impls = [i for i in pythons if i != "sglang" or case.inflight <= args.sglang_max_inflight]
+                where = f"round {round_ + 1}/{args.repeat}, " if args.repeat > 1 else ""
                 for impl in impls if (n + round_) % 2 == 0 else impls[::-1]:  # alternate who goes first
-                    where = f"round {round_ + 1}/{args.repeat}, " if args.repeat > 1 else ""
                     _progress(
                         f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {case.title}, "
                         f"{case.requests} requests"
@@ -681,8 +954,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results.add({**row, "round": round_})
                     _progress(
                         f"  {row['ok']}/{row['requests']} ok, {row['gb_s']:.3f} GB/s, latency p50 "
-                        f"{_ms(row['latency_p50_s'])} ({time.monotonic() - case_began:.1f}s with start and stop)"
+                        f"{_ms(row['latency_p50_s'])}, critical path p50 {_us(row['critical_p50_s'])} "
+                        f"({time.monotonic() - case_began:.1f}s with start and stop)"
                     )
+                for impl in raw_impls:  # the same writes on the bare engine, in the same round
+                    if case.name != "lat" and case.inflight > args.raw_max_inflight:
+                        continue
+                    what = "one page's writes" if case.name == "lat" else f"{case.title}, {case.requests} requests"
+                    _progress(f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {what}")
+                    try:
+                        row = run_raw(impl, case, Path(logs))
+                    except CaseError as exc:
+                        errors.append(f"{where}{IMPL_TITLES[impl]}: {exc}")
+                        _progress(f"  could not run: {exc}")
+                        continue
+                    results.add({**row, "round": round_})
+                    if case.name == "lat":
+                        _progress(f"  p50 {_us(row['critical_p50_s'])}, p99 {_us(row['critical_p99_s'])}")
+                    else:
+                        _progress(f"  {row['gb_s']:.3f} GB/s")
     goals = evaluate_goals(results)
     versions = {row["impl"]: row["versions"] for row in results.rows()}
     print(
@@ -690,6 +980,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     for impl, found in versions.items():
+        if not found:
+            continue  # the raw rows: the engine's version is on kvfsm's line
         print(f"  {IMPL_TITLES[impl]}: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
     print(f"  TCP on 127.0.0.1, CPU tensors, 64 KiB pages, every byte checked; {args.chunks} chunks per request")
     if args.repeat > 1:
@@ -698,8 +990,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(format_report(cases, results, errors)))
     if "sglang" not in pythons:
         print("\nSGLang: not run (give its interpreter with --sglang-python PATH); kvfsm's figures alone.")
-    print("\ngoals (issue 12):")
-    print("\n".join(goal.line() for goal in goals) or "  none measurable in this run")
+    for issue in (12, 23):
+        print(f"\ngoals (issue {issue}):")
+        print("\n".join(goal.line() for goal in goals if goal.issue == issue) or "  none measurable in this run")
     if args.json:
         data = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -9,6 +9,7 @@ and it returns with nothing left running (its echo processes are joined).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -29,18 +30,23 @@ def _run(*options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *options], env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_every_part_asked_for_prints_a_figure() -> None:
-    parts = "tcp,zmq,control,naps,codec" + (",mooncake" if importlib.util.find_spec("mooncake") else "")
-    done = _run("--only", parts, "--count", "50")
+def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
+    engines = [e for e in ("mooncake", "nixl") if importlib.util.find_spec(e)]
+    parts = ",".join(["tcp", "zmq", "zmq-tuning", "control", "naps", "codec", *engines])
+    done = _run("--only", parts, "--count", "50", "--json", str(tmp_path / "parts.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {
         line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1])
         for line in done.stdout.splitlines()[1:]
         if re.search(r"\d$", line)
     }
-    expected = 7 + (2 if "mooncake" in parts else 0)
+    expected = 10 + (3 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
     assert len(figures) == expected, done.stdout
     assert all(value > 0 for value in figures.values()), figures
+    # The engines' samples, one per write (what vs_sglang.py's raw rows are made of).
+    data = json.loads((tmp_path / "parts.json").read_text())
+    assert len(data["figures_us"]) == expected
+    assert {name: len(data["samples_s"][name]) for name in engines} == dict.fromkeys(engines, 50)
 
 
 def test_an_unknown_part_is_a_usage_error() -> None:

@@ -118,12 +118,81 @@ def test_rounds_join_into_medians_and_same_round_ratios() -> None:
     assert "* not comparable: kvfsm 3/4 ok" in report and "2.00x (2.00-2.00)" in report
 
 
+def test_critical_path_rows_and_the_raw_baseline() -> None:
+    """The critical path is the decode's Success minus the prefill's last send(), per request; raw rows are samples."""
+    bench = _load_bench()
+    case = bench.Case("lat", 1, 1, 1, 3, 1)  # rooms 1, 2, 3 measured after room 0
+    results = bench.Results()
+    # Per round: when the prefill called its last send(), when the decode saw Success, the raw writes' samples.
+    rounds = [
+        ({1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.3, 2: 2.4, 3: 3.5}, [0.1, 0.2, 0.3]),  # critical 0.3, 0.4, 0.5
+        ({1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.2, 2: 2.2, 3: 3.9}, [0.05, 0.1, 0.4]),  # critical 0.2, 0.2, 0.9
+    ]
+    for round_, (last_send, seen, raw) in enumerate(rounds):
+        prefill = {
+            "rooms": [
+                {"room": r, "start": r - 0.5, "end": r + 0.1, "ok": True, **({"last_send": last_send[r]} if r else {})}
+                for r in range(4)
+            ],
+            "cpu_s": 0.1,
+            "harness_cpu_s": 0.0,
+        }
+        decode = {
+            "rooms": [{"room": r, "start": r - 0.6, "end": seen.get(r, 0.2), "ok": True} for r in range(4)],
+            "cpu_s": 0.1,
+            "harness_cpu_s": 0.0,
+        }
+        row = bench.summarize(case, "kvfsm", {"prefill": prefill, "decode": decode})
+        results.add({**row, "round": round_})
+        results.add({**bench.raw_row("raw", raw), "round": round_})
+    first, second = results.rounds[("kvfsm", "lat")]
+    assert first["critical_p50_s"] == pytest.approx(0.4) and first["critical_p99_s"] == pytest.approx(0.4)
+    assert second["critical_p50_s"] == pytest.approx(0.2) and second["critical_p99_s"] == pytest.approx(0.2)
+    # The whole request still runs from the first open to the last end: room 2 of round 0, 1.4 to 2.4.
+    assert first["latency_p50_s"] == pytest.approx(1.0)
+    raw = results.rounds[("raw", "lat")][0]
+    assert (raw["ok"], raw["requests"], raw["critical_p50_s"]) == (3, 3, pytest.approx(0.2))
+    assert raw["critical_p99_s"] == pytest.approx(0.2)  # the lower neighbour of the 99th percentile of 3 samples
+    # Same-round ratios: 0.4 / 0.2 = 2.0 and 0.2 / 0.1 = 2.0 at p50.
+    value, per_round = results.ratio(("kvfsm", "lat"), ("raw", "lat"), "critical_p50_s")
+    assert per_round == pytest.approx([2.0, 2.0]) and value == pytest.approx(2.0)
+    assert results.row(("kvfsm", "lat"))["critical_p50_s"] == pytest.approx(0.3)  # median of the rounds' 0.4, 0.2
+    goals = {goal.text: goal for goal in bench.evaluate_goals(results)}
+    critical = goals["critical path, one page (p50), kvfsm over Mooncake / raw Mooncake writes"]
+    assert critical.issue == 23 and not critical.met and critical.limit == 1.5
+    assert "2.00x (rounds 2.00-2.00) (goal <= 1.5x)" in critical.line()
+    report = "\n".join(bench.format_report([case], results, []))
+    assert "raw Mooncake writes" in report and "critical path of a one-page request" in report
+    assert "kvfsm over Mooncake / raw Mooncake writes" in report and "2.00x (2.00-2.00)" in report
+    # An in-flight case's raw row: the stream's throughput, no critical path.
+    stream = bench.raw_stream_row(
+        "raw", bench.Case("16", 16, 4, 2, 300, 1), {"gb_s": 0.5, "seconds": 2.0, "requests": 256}
+    )
+    assert (stream["case"], stream["requests"], stream["gb_s"], stream["critical_p50_s"]) == ("16", 256, 0.5, None)
+    assert stream["requests_s"] == pytest.approx(128.0)
+    # A request without a last send() (SGLang's decode-only records, say) has no critical path, not a wrong one.
+    bare = bench.summarize(
+        case,
+        "kvfsm",
+        {
+            "prefill": _report({r: (0.0, 1.0, True) for r in range(4)}, 0.1),
+            "decode": _report({r: (0.0, 1.0, True) for r in range(4)}, 0.1),
+        },
+    )
+    assert bare["critical_p50_s"] is None and bare["critical_p99_s"] is None
+
+
 def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -> None:
     done, data = _bench(tmp_path, "--cases", "lat,2", *SMALL, "--latency-requests", "5", "--requests", "6")
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {row["case"]: row for row in data["results"]}
+    rows = {row["case"]: row for row in data["results"] if row["impl"] == "kvfsm"}
     assert set(rows) == {"lat", "2"}
-    assert {row["impl"] for row in rows.values()} == {"kvfsm"}
+    # Beside kvfsm's rows, the raw Mooncake writes of the one-page case, measured in the same run.
+    raws = {row["case"]: row for row in data["results"] if row["impl"] == "raw"}
+    assert len(raws) == len(data["results"]) - 2 and set(raws) == {"lat", "2"}
+    assert raws["lat"]["requests"] == 5 and raws["lat"]["critical_p50_s"] > 0  # one page's writes, timed
+    assert raws["2"]["requests"] == 6 and raws["2"]["gb_s"] > 0  # the same requests' writes, 2 in flight
+    assert rows["lat"]["critical_p50_s"] > 0 and rows["lat"]["critical_p99_s"] >= rows["lat"]["critical_p50_s"]
     for case, pages, requests in (("lat", 1, 5), ("2", 4, 6)):
         row = rows[case]
         assert (row["ok"], row["requests"], row["bad"]) == (requests, requests, 0), row
@@ -144,12 +213,17 @@ def test_nixl_runs_in_the_same_loop_with_its_own_rows_and_goals(tmp_path: Path) 
     done, data = _bench(tmp_path, "--nixl", "--cases", "16", *SMALL, "--requests", "20")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["impl"]: row for row in data["results"]}
-    assert set(rows) == {"kvfsm", "kvfsm-nixl"}
+    assert set(rows) == {"kvfsm", "kvfsm-nixl", "raw", "raw-nixl"}
+    # Each engine's raw row: the same requests' writes, as many in flight, on the bare engine.
+    for raw in ("raw", "raw-nixl"):
+        assert (rows[raw]["case"], rows[raw]["requests"]) == ("16", 20) and rows[raw]["gb_s"] > 0
     nixl = rows["kvfsm-nixl"]
     assert (nixl["ok"], nixl["requests"], nixl["bad"]) == (20, 20, 0), nixl
     assert "nixl" in nixl["versions"] and "mooncake-transfer-engine-non-cuda" not in nixl["versions"]
     goals = {goal["text"]: goal for goal in data["goals"]}
     assert goals["kvfsm over NIXL: every request succeeds at 16 in flight"]["met"]
+    assert goals["throughput at 16 in flight, kvfsm over NIXL / raw NIXL writes"]["issue"] == 23
+    assert "throughput against the raw engine with the same writes in flight" in done.stdout
     assert "kvfsm over NIXL" in done.stdout
 
 
@@ -159,7 +233,17 @@ def test_failed_and_unstarted_requests_are_counted_with_their_reasons(tmp_path: 
     # second, as the loop got faster). Neither may crash the benchmark.
     total = 20_000
     done, data = _bench(
-        tmp_path, "--cases", "16", *SMALL, "--requests", str(total), "--room-timeout", "0.001", "--case-timeout", "1"
+        tmp_path,
+        "--cases",
+        "16",
+        *SMALL,
+        "--requests",
+        str(total),
+        "--room-timeout",
+        "0.001",
+        "--case-timeout",
+        "1",
+        "--no-raw",  # the raw engine's rows: no failures to count there
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = data["results"]
