@@ -38,7 +38,19 @@ class PipeChild:
     # Underscored: the peers turn every other attribute into a remote call (`peer.send(...)`).
 
     def _post(self, name: str, args: tuple[Any, ...] = ()) -> None:
-        self._conn.send((name, args))
+        try:
+            self._conn.send((name, args))
+        except OSError as exc:  # the child is gone: say why, from what it sent last, instead of "broken pipe"
+            raise RuntimeError(f"{self.label}: cannot post {name}: {self._why_gone()}") from exc
+
+    def _why_gone(self) -> str:
+        """What a child that ended said last (`build_or_exit` sends its traceback first), and its exit code."""
+        self.process.join(5)
+        said = ""
+        with contextlib.suppress(EOFError, OSError):
+            if self._conn.poll(0):
+                said = f"; it said:\n{self._conn.recv()[1]}"
+        return f"the child ended (exit code {self.process.exitcode}){said}"
 
     def _receive(self, what: str, timeout: float) -> Any:
         """The next answer; `TimeoutError` past `timeout`, `RuntimeError` if the call raised in the child."""
