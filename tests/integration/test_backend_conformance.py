@@ -130,6 +130,7 @@ def _run_expecting_failure(machine: type[BackendConformance], match: str) -> Non
         report_multiple_bugs=False,
         database=None,
         phases=[Phase.explicit, Phase.generate],
+        derandomize=True,
     )
     with pytest.raises(AssertionError, match=match):
         case("runTest").runTest()
