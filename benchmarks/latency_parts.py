@@ -232,20 +232,29 @@ def control_round_trip(count: int) -> float:
 # -- engine writes -----------------------------------------------------------------
 
 
-def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
-    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion (seconds each)."""
-    import torch
+def _mooncake_pair(src: Any, dst: Any) -> tuple[Any, Any, str]:
+    """Two Mooncake engines in this process (TCP, P2P handshake): `src` registered on one, `dst` on the other.
+
+    Returns (writer, receiver, the receiver's target name); the receiver must outlive the writes.
+    """
     from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-    src = torch.ones(PAGE, dtype=torch.uint8)
-    dst = torch.zeros(PAGE, dtype=torch.uint8)
     a, b = TransferEngine(), TransferEngine()
     for engine in (a, b):
         if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
             raise RuntimeError("Mooncake TransferEngine.initialize failed")
-    a.register_memory(src.data_ptr(), PAGE)
-    b.register_memory(dst.data_ptr(), PAGE)
-    target = f"127.0.0.1:{b.get_rpc_port()}"
+    a.register_memory(src.data_ptr(), src.numel() * src.element_size())
+    b.register_memory(dst.data_ptr(), dst.numel() * dst.element_size())
+    return a, b, f"127.0.0.1:{b.get_rpc_port()}"
+
+
+def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
+    """One 64 KiB page as one write and as four 16 KiB writes, submit to last completion (seconds each)."""
+    import torch
+
+    src = torch.ones(PAGE, dtype=torch.uint8)
+    dst = torch.zeros(PAGE, dtype=torch.uint8)
+    a, _receiver, target = _mooncake_pair(src, dst)  # the receiver lives as long as this call
 
     def writes(parts: int) -> Callable[[], None]:
         size = PAGE // parts
@@ -402,15 +411,7 @@ def _stream_engine(
     """submit(writes) -> job, poll(job) -> ended, close(): two engines in one process, src -> dst."""
     nbytes = src.numel()
     if engine == "mooncake":
-        from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-        a, b = TransferEngine(), TransferEngine()
-        for each in (a, b):
-            if each.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-                raise RuntimeError("Mooncake TransferEngine.initialize failed")
-        a.register_memory(src.data_ptr(), nbytes)
-        b.register_memory(dst.data_ptr(), nbytes)
-        target = f"127.0.0.1:{b.get_rpc_port()}"
+        a, b, target = _mooncake_pair(src, dst)
         s0, d0 = src.data_ptr(), dst.data_ptr()
 
         def submit(writes: list[tuple[int, int, int]]) -> Any:
