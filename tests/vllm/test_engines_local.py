@@ -126,8 +126,10 @@ def test_a_decode_aborted_while_waiting_frees_both_sides_without_a_deadline(engi
     assert prefill_worker.prefill.stats.failure_kinds[FailureKind.ABORTED] == 1  # told by the decode
 
 
-def test_a_prefill_shutting_down_fails_the_decodes_load(engines: Callable[..., Engine]) -> None:
-    p, d = engines("kv_producer", extra=LOCAL), engines("kv_consumer", extra=LOCAL)
+def _load_while_the_prefill_shuts_down(engines: Callable[..., Engine], **kind: Any) -> tuple[Engine, Any]:
+    """A decode starts loading d1 from a prefill whose worker then shuts down; run to the end."""
+    p = engines("kv_producer", extra=LOCAL, **kind)
+    d = engines("kv_consumer", extra=LOCAL, **kind)
     tokens = list(range(40))
     params = prefill(p, "p1", tokens)
     p.step()
@@ -135,6 +137,11 @@ def test_a_prefill_shutting_down_fails_the_decodes_load(engines: Callable[..., E
     d.step()
     p.worker.shutdown()
     run_until([d], d.empty, steps=50)
+    return d, request
+
+
+def test_a_prefill_shutting_down_fails_the_decodes_load(engines: Callable[..., Engine]) -> None:
+    _, request = _load_while_the_prefill_shuts_down(engines)
     assert request.status is RequestStatus.FINISHED_ERROR  # kv_load_failure_policy="fail"
 
 
@@ -179,15 +186,7 @@ def test_a_hybrid_kv_cache_moves_every_group_with_its_own_blocks(engines: Callab
 
 def test_a_hybrid_load_that_fails_is_reported_by_request_not_by_block(engines: Callable[..., Engine]) -> None:
     # vLLM raises on block-level errors with several KV cache groups (block ids repeat across groups).
-    p = engines("kv_producer", extra=LOCAL, hybrid=True)
-    d = engines("kv_consumer", extra=LOCAL, hybrid=True)
-    tokens = list(range(40))
-    params = prefill(p, "p1", tokens)
-    p.step()
-    request = d.add(make_request("d1", tokens, max_tokens=4, params=params))
-    d.step()
-    p.worker.shutdown()
-    run_until([d], d.empty, steps=50)
+    d, request = _load_while_the_prefill_shuts_down(engines, hybrid=True)
     assert request.status is RequestStatus.FINISHED_ERROR
     assert any("d1" in report[2] for report in d.reports) and not any(report[3] for report in d.reports)
 
