@@ -70,6 +70,8 @@ class Pair:
         self.server.close()
 
     def connect(self, room: int, pages: list[int], slot: int) -> tuple[Any, Any]:
+        """SGLang's order; first its decode scheduler's retried look-up of the prefill's layout (`_ensure_prefill_info`)."""
+        wait_until(lambda: self.decode.try_ensure_parallel_info(self.addr))
         receiver = sglang.MooncakeKVReceiver(self.decode, self.addr, room)
         sender = sglang.MooncakeKVSender(self.prefill, self.addr, room)
         receiver.init(0)

@@ -133,8 +133,20 @@ class Deployment:
             manager.shutdown()
         self.server.close()
 
+    def learn_the_prefill_layout(self) -> None:
+        for manager in self.decodes:
+            wait_until(lambda m=manager: m.try_ensure_parallel_info(self.addr), f"{manager!r} knows the prefill")
+
     def request(self, room: int, src_pages: list[int], dst_pages: list[int]) -> tuple[list[Any], list[Any]]:
-        """SGLang's order on every rank: receivers init and send metadata, senders wait, init and send two chunks."""
+        """SGLang's order on every rank: receivers init and send metadata, senders wait, init and send two chunks.
+
+        First, as SGLang's decode scheduler does (`_ensure_prefill_info`)
+        before it builds a receiver, each decode rank retries the look-up of
+        the prefill's layout until it is known: one attempt can time out on a
+        loaded machine, and `init` without it fails the request ("is healthy
+        before, but now it is down"), as SGLang's does. Seen once in CI.
+        """
+        self.learn_the_prefill_layout()
         receivers = [sglang.MooncakeKVReceiver(m, self.addr, room) for m in self.decodes]
         senders = [sglang.MooncakeKVSender(m, self.addr, room) for m in self.prefills]
         for receiver in receivers:
@@ -267,6 +279,7 @@ def test_mla_kv_is_not_pulled_from_a_larger_prefill_tp() -> None:
     try:
         for manager in deployment.decodes:
             manager.tp_layout = TPLayout(1, 0, PAGE_SIZE)  # as an MLA decode rank says
+        deployment.learn_the_prefill_layout()
         receiver = sglang.MooncakeKVReceiver(deployment.decodes[0], deployment.addr, 81)
         receiver.init(0)
         assert receiver.poll() is KVPoll.Failed
@@ -287,6 +300,7 @@ def test_a_decode_rank_out_of_its_slot_is_refused_by_the_prefill() -> None:
         assert pairing(1, honest, HEADS) == Pairing((0,), slot=1, fan_out=2)
         # A buggy decode rank 1 that pairs as if it were rank 0; its engine session still says rank 1.
         manager.tp_layout = TPLayout(2, 0, PAGE_SIZE, HEADS, HEADS // 2)
+        deployment.learn_the_prefill_layout()
         receiver = sglang.MooncakeKVReceiver(manager, deployment.addr, 91)
         sender = sglang.MooncakeKVSender(deployment.prefills[0], deployment.addr, 91)
         receiver.init(0)
@@ -317,7 +331,7 @@ def test_what_stays_unsupported_is_refused_at_init_with_its_name(layout: dict[st
     deployment = Deployment(1, 1)
     try:
         manager = deployment.decodes[0]
-        wait_until(lambda: manager.try_ensure_parallel_info(deployment.addr), "the prefill's layout known")
+        deployment.learn_the_prefill_layout()
         info = manager.prefill_info_table[deployment.addr]
         for name, value in layout.items():
             setattr(info, name, value)  # what the prefill server registered

@@ -281,7 +281,9 @@ class _Endpoint:
         self._close_room(handle)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} room={self.bootstrap_room!r} {self.handle.state.name}>"
+        reason = self.handle.reason
+        why = f": {reason}" if reason is not None else ""
+        return f"<{type(self).__name__} room={self.bootstrap_room!r} {self.handle.state.name}{why}>"
 
 
 def _aux_slot(backend: Any, aux_index: int | None) -> int | None:

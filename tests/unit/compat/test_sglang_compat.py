@@ -177,6 +177,14 @@ def test_abort_is_synchronous_and_records_the_reason(prefill: sglang.KVManager) 
     assert error.reason.state is KVPoll.WaitingForInput
 
 
+def test_a_failed_endpoints_repr_says_why(prefill: sglang.KVManager) -> None:
+    """What a failed assertion or a log line shows of an endpoint names its reason, not only `Failed`."""
+    sender = new_sender(prefill, 4)
+    assert repr(sender) == "<KVSender room=4 Bootstrapping>"
+    sender.abort()
+    assert repr(sender) == "<KVSender room=4 Failed: ABORTED in Bootstrapping: Aborted by AbortReq.>"
+
+
 def test_abort_twice_fires_one_event(prefill: sglang.KVManager) -> None:
     sender = new_sender(prefill, 3)
     seen = events_of(prefill)
