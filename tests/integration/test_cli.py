@@ -156,6 +156,10 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")  # pragma: no cover
 
 
+def _sigint_as_at_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads memory from /proc (Linux)")
 def test_a_huge_run_shows_progress_at_once_stays_small_and_ctrl_c_prints_one_line() -> None:
     # Before, `--requests 1000000000000` built a generator per request up
@@ -166,6 +170,9 @@ def test_a_huge_run_shows_progress_at_once_stays_small_and_ctrl_c_prints_one_lin
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        # As at a terminal. A job started in the background by a shell without job control (`cmd &`)
+        # inherits SIGINT ignored, and Python keeps it so: Ctrl-C would do nothing (seen in a local CI run).
+        preexec_fn=_sigint_as_at_a_terminal,
     )
     try:
         assert process.stderr is not None
