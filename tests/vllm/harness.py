@@ -6,7 +6,8 @@ worker-side connector, on the KV cache tensors of one fake model runner.
 worker connector's calls in the order of vLLM's
 `KVConnectorModelRunnerMixin._get_kv_connector_output` (bind metadata,
 `start_load_kv`, `wait_for_save`, `get_transfer_results`,
-`get_block_ids_with_load_errors`, clear metadata), a mock model output
+`get_block_ids_with_load_errors`, `get_kv_connector_stats`,
+`build_connector_worker_meta`, clear metadata), a mock model output
 (one token per request whose prompt is done), then `update_from_output`.
 
 The fake model writes a known pattern into the blocks it computes:
@@ -206,17 +207,20 @@ class Engine:
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         errors = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         self.reports.append(
             (set(results.finished_sending), set(results.finished_recving), set(results.failed_recving), set(errors))
         )
-        # As vLLM's model runner (`KVConnectorModelRunnerMixin`): the worker's stats ride on its output.
+        # As vLLM's model runner (`KVConnectorModelRunnerMixin`): the worker's stats and metadata ride on its output.
         return KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
             invalid_block_ids=errors,
-            kv_connector_stats=worker.get_kv_connector_stats(),
+            kv_connector_stats=stats,
+            kv_connector_worker_meta=worker_meta,
         )
 
     def _layer_blocks(self, request_id: str) -> list[list[int]]:

@@ -114,6 +114,50 @@ def test_max_inflight_loads_asks_vllm_to_retry() -> None:
     assert plan.matched_tokens(decode_params("b"), 16, 0) == (16, True)
 
 
+def test_loads_stopped_by_a_dead_prefill_do_not_defer_the_other_requests() -> None:
+    """A dead prefill's loads wait, quarantined, for proof of drain: they must not fill `max_inflight_loads`.
+
+    On the old count (every open load), once two loads of a dead prefill
+    were quarantined, every other request was deferred until an operator
+    released them.
+    """
+    plan = half(max_inflight_loads=2)
+    plan.after_alloc("d1", decode_params("a"), [1], 16)
+    plan.after_alloc("d2", decode_params("b"), [2], 16)
+    plan.build()
+    assert plan.matched_tokens(decode_params("c"), 16, 0) == (None, False)
+    stopped = {"d1": "PEER_LOST in Transferring: no heartbeat", "d2": "PEER_LOST in Transferring: no heartbeat"}
+    plan.loads_stopped(stopped)
+    plan.loads_stopped(stopped)  # the workers repeat it every step until the loads drain
+    assert plan.stats.stopped_loads == 2
+    assert plan.matched_tokens(decode_params("c"), 16, 0) == (16, True)
+    assert plan.matched_tokens(decode_params("a"), 16, 0) == (None, False)  # the same prefill request still waits
+    assert {"d1", "d2"} <= plan.held  # vLLM has not heard of them: their blocks stay held
+    assert plan.notices(None, set(), failed_recving=set()) == (set(), set())
+    _, recving = plan.notices(None, {"d1"}, failed_recving={"d1"})
+    assert recving == {"d1"} and "d1" not in plan.held
+    assert not plan.decode.holds_pages("d1")  # the workers' report is the proof: nothing kept after close
+
+
+def test_a_failed_load_leaves_nothing_held_in_the_scheduler() -> None:
+    """The scheduler's room of a failed load is a mirror: the workers' report proves its drain (no leak)."""
+    plan = half()
+    for index in range(50):
+        plan.after_alloc(f"d{index}", decode_params(f"r{index}"), [1], 16)
+    plan.build()
+    _, recving = plan.notices(None, {f"d{index}" for index in range(50)}, failed_recving={"d0", "d1"})
+    assert len(recving) == 50
+    assert not any(plan.decode.holds_pages(f"d{index}") for index in range(50))
+
+
+def test_a_stopped_notice_for_an_unknown_or_unhanded_load_changes_nothing() -> None:
+    plan = half(max_inflight_loads=1)
+    plan.after_alloc("d1", decode_params("a"), [1], 16)  # not handed to the workers yet (no build)
+    plan.loads_stopped({"d1": "forged", "nobody": "forged"})
+    assert plan.stats.stopped_loads == 0
+    assert plan.matched_tokens(decode_params("c"), 16, 0) == (None, False)
+
+
 def test_a_full_local_hit_releases_the_prefills_blocks() -> None:
     plan = half()
     plan.after_alloc("d1", decode_params(), [], 0)

@@ -182,3 +182,48 @@ def test_a_waiting_decode_keeps_its_prefills_hold_by_lease_and_a_killed_one_free
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_a_killed_prefills_quarantined_load_does_not_hold_up_another_prefills_request(mooncake: None) -> None:
+    """Bulkhead (DESIGN.md: one peer must never hold up another), with the default quarantine.
+
+    The decode runs one load at a time (`max_inflight_loads: 1`). Its load
+    from prefill A waits; A is killed, so the load fails and its blocks stay
+    quarantined (nothing proves A's writes drained). The request from live
+    prefill B must still load. On the old count (every open load), it waited
+    in vLLM's queue for as long as the quarantine lasted: until an operator.
+    """
+    common: dict[str, Any] = {
+        "backend": "mooncake",
+        "heartbeat_interval": 0.1,
+        "heartbeat_misses": 3,
+        "drain_timeout": DRAIN,
+        "waiting_timeout": 60,
+    }
+    dead = EnginePeer("kv_producer", f"prefill-{next(_ids)}", {**common, "port": free_port(), "hold_timeout": 60})
+    live = EnginePeer("kv_producer", f"prefill-{next(_ids)}", {**common, "port": free_port(), "hold_timeout": 60})
+    decode = EnginePeer("kv_consumer", f"decode-{next(_ids)}", {**common, "max_inflight_loads": 1})
+    try:
+        for peer in (dead, live, decode):
+            peer.ready()
+        tokens_a, tokens_b = tokens_for(7, 2.5), tokens_for(8, 2.5)
+        params_a = dead.prefill("pa", tokens_a)
+        params_b = live.prefill("pb", tokens_b)
+        decode.add("d-a", tokens_a, params_a, 3)
+        assert decode.run("parked", "d-a", WAIT)["reached"]  # A holds the room and never sends
+        decode.add("d-b", tokens_b, params_b, 3)
+        dead.kill()
+        sending = live.start("run", "empty", None, WAIT + DRAIN, timeout=WAIT + DRAIN + 10)
+        loaded = decode.run("finished", "d-b", WAIT + DRAIN, timeout=WAIT + DRAIN + 10)
+        assert loaded["reached"], f"the live prefill's request was held up: {loaded}"
+        assert loaded["status"] == "FINISHED_LENGTH_CAPPED"
+        assert loaded["load"] == {"failed": False, "wrong_blocks": [], "errors": 0}
+        assert sending.result()["reached"]
+        stuck = decode.info("d-a")
+        assert stuck["status"] not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"), stuck
+        assert stuck["failure_kinds"] == {"peer_lost": 1}
+        assert "stopped_loads=1" in str(stuck["scheduler"])
+    finally:
+        decode.stop()
+        live.stop()
+        dead.stop()

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -87,6 +88,27 @@ class KVFSMConnectorMetadata(KVConnectorMetadata):
     def __repr__(self) -> str:
         plan = self.plan
         return f"<KVFSMConnectorMetadata recv={len(plan.recv)} send={len(plan.send)} abort={len(plan.abort)}>"
+
+
+class KVFSMStoppedLoads(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: loads that failed and wait for proof of drain (request -> why).
+
+    Their blocks stay held until a worker proves no write can still land
+    (DESIGN.md rules 6 and 13), so vLLM hears of them only then; meanwhile
+    the scheduler stops counting them as running loads (`max_inflight_loads`),
+    so a dead prefill's quarantined loads do not defer every other request.
+    """
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        self.reasons = reasons
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVFSMStoppedLoads):
+            return KVFSMStoppedLoads({**other.reasons, **self.reasons})
+        return self
+
+    def __repr__(self) -> str:
+        return f"<KVFSMStoppedLoads {sorted(self.reasons)}>"
 
 
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
@@ -300,6 +322,9 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
         return KVFSMConnectorMetadata(self._scheduler().build())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stopped = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(stopped, KVFSMStoppedLoads):
+            self._scheduler().loads_stopped(stopped.reasons)
         sending, recving = self._scheduler().notices(
             connector_output.finished_sending,
             connector_output.finished_recving,
@@ -369,6 +394,10 @@ class KVFSMConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker().poll()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        stopped = self._worker().stopped_loads()
+        return KVFSMStoppedLoads(stopped) if stopped else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._worker().take_load_errors()

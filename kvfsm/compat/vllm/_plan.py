@@ -169,6 +169,8 @@ class SchedulerStats:
     loads: int = 0
     releases: int = 0
     aborted_loads: int = 0
+    #: Loads the workers said failed and wait for proof of drain (no longer counted as running).
+    stopped_loads: int = 0
     deferred_lookups: int = 0
     invalid_params: int = 0
     absorbed_notices: int = 0
@@ -302,10 +304,14 @@ class SchedulerHalf:
         if count <= 0:
             return 0, False
         limit = self.config.max_inflight_loads
-        if source.room in self._sources or (limit is not None and len(self._loads) >= limit):
+        if source.room in self._sources or (limit is not None and self._running_loads() >= limit):
             self.stats.deferred_lookups += 1
             return None, False
         return count, True
+
+    def _running_loads(self) -> int:
+        """Loads that may still transfer: a failed one whose blocks wait for proof of drain is not."""
+        return sum(1 for load in self._loads.values() if not load.handle.is_terminal)
 
     def _tp_problem(self, source: RemoteSource) -> str | None:
         remote, local = source.tp_size, self.tp_size
@@ -516,6 +522,21 @@ class SchedulerHalf:
             )
             self._plan.expire.append(request_id)
 
+    def loads_stopped(self, reasons: Mapping[str, str]) -> None:
+        """The workers' word that these loads failed and wait for proof of drain (`KVFSMStoppedLoads`).
+
+        Each room fails here, so it no longer counts against
+        `max_inflight_loads`; the request stays held (its blocks too) until
+        the workers report it finished, once drained. Idempotent: the workers
+        repeat it every step until then.
+        """
+        for request_id, why in reasons.items():
+            load = self._loads.get(request_id)
+            if load is None or load.handle.state is KVPoll.Bootstrapping:
+                continue
+            if load.handle.fail(FailureReason(FailureKind.TRANSFER_ERROR, f"the workers stopped the load: {why}")):
+                self.stats.stopped_loads += 1
+
     def notices(
         self,
         finished_sending: Iterable[str] | None,
@@ -540,6 +561,10 @@ class SchedulerHalf:
             else:
                 handle.transfer_started()
                 handle.transfer_done()
+            if handle.state is KVPoll.Failed:
+                # The workers report a load only once all its rooms are release-safe there: that is the
+                # proof of drain for this mirror room, which would otherwise stay held after close.
+                handle.writes_drained()
             self._close(self.decode, handle)
             self._sources.discard(load.room)
             recving.add(request_id)

@@ -764,6 +764,18 @@ class WorkerHalf:
             done.add(request_id)
         return done, failed
 
+    def stopped_loads(self) -> dict[str, str]:
+        """Loads that failed and are held until their rooms are release-safe: request id -> why.
+
+        Said every step until vLLM hears of them (`build_connector_worker_meta`),
+        so the scheduler stops counting them as running loads.
+        """
+        return {
+            request_id: str(transfer.reason())
+            for request_id, transfer in self._receiving.items()
+            if any(part.handle.state is KVPoll.Failed for part in transfer.parts)
+        }
+
     def _poll_releases(self) -> None:
         still = []
         for handle in self._releasing:
