@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 
 class FakeClock:
     """A monotonic clock the test moves by hand."""
@@ -15,3 +18,13 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         assert seconds >= 0, "a monotonic clock never goes back"
         self.now += seconds
+
+
+def until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Whether `predicate()` held within `timeout` seconds (polled every 2 ms; asked once more at the end)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.002)
+    return predicate()

@@ -15,7 +15,7 @@ import ctypes
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ import kvfsm  # noqa: E402
 from kvfsm import FailureKind, KVPoll  # noqa: E402
 from kvfsm.backends.base import KVPools, MemoryRegion  # noqa: E402
 from kvfsm.backends.remote import EngineAdapter, EngineJob, RemoteBackend, RemoteConfig, Write  # noqa: E402
+from tests.helpers import until  # noqa: E402
 
 WAIT = 10.0
 
@@ -84,13 +85,7 @@ def _pools() -> tuple[KVPools, Any]:
     return KVPools.from_tensors(k, v), (k, v)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.002)
-    return predicate()
+wait_for = functools.partial(until, timeout=WAIT)
 
 
 class Cluster:

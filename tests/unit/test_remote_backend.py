@@ -10,10 +10,11 @@ failure that does not prove the writes stopped) and copy bytes with
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from kvfsm.backends.remote import (  # noqa: E402
     RemoteConfig,
     Write,
 )
+from tests.helpers import until  # noqa: E402
 
 WAIT = 5.0
 
@@ -140,13 +142,7 @@ class Pair:
         self.recv_backend.close()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.002)
-    return predicate()
+wait_for = functools.partial(until, timeout=WAIT)
 
 
 @pytest.fixture
