@@ -157,7 +157,14 @@ def test_a_waiting_decode_keeps_its_prefills_hold_by_lease_and_a_killed_one_free
     # Issue 20 / vLLM #41383: a hold for a dead decode was pinned for hold_timeout (480 s).
     lease = 3.0  # renewed every 0.5 s: a decode stalled that long by a busy host still renews in time
     engine = f"prefill-{next(_ids)}"
-    common: dict[str, Any] = {"backend": "mooncake", "heartbeat_interval": 0.1, "lease_duration": lease}
+    # A 3 s heartbeat window: the stuck load must stay live (and counted) for four leases. With 0.3 s,
+    # a loaded CI machine lost the prefill once (PEER_LOST), and a failed load no longer takes the slot.
+    common: dict[str, Any] = {
+        "backend": "mooncake",
+        "heartbeat_interval": 0.1,
+        "heartbeat_misses": 30,
+        "lease_duration": lease,
+    }
     prefill = EnginePeer("kv_producer", engine, {**common, "port": free_port(), "hold_timeout": 120})
     decode = EnginePeer("kv_consumer", f"decode-{next(_ids)}", {**common, "max_inflight_loads": 1})
     try:
