@@ -15,7 +15,9 @@ latency stays near SGLang's"):
   loopback TCP stack costs under ZeroMQ);
 * one page's engine writes: Mooncake, one 64 KiB write and the same bytes
   as four 16 KiB writes (K and V of two layers), from the first submit to
-  the last completion, two engines in one process; NIXL (``nixl``), the
+  the last completion, two engines in one process, and the same four
+  writes followed by a 16-byte completion marker once they all completed
+  (the floor of completion on the data plane, issue 23); NIXL (``nixl``), the
   same four 16 KiB writes as the one transfer of four descriptors that
   kvfsm's NIXL backend submits, two agents in one process (these are the
   ``raw`` rows of `benchmarks/vs_sglang.py`, which runs them through
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -273,6 +276,50 @@ def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
         return step
 
     return _samples(count, writes(1)), _samples(count, writes(REGIONS))
+
+
+MARKER = 16  # bytes: a generation and a token, what a data-plane completion marker would carry
+
+
+def mooncake_marker_samples(count: int) -> list[float]:
+    """The floor of completion on the data plane: one page's four writes, then a marker once all four completed.
+
+    From the first submit to the marker's completion (seconds each). Rule 14
+    allows a marker only after every write of the room succeeded, so it is
+    submitted after the last completion, not with the writes. Each sample
+    writes a new token and checks that it landed in the receiver's memory,
+    where a decode would read it. (`transfer_check_status` reads only task
+    0 of a batch, so each write is a batch of its own, as kvfsm submits.)
+    """
+    import torch
+
+    src = torch.ones(PAGE + MARKER, dtype=torch.uint8)
+    dst = torch.zeros(PAGE + MARKER, dtype=torch.uint8)
+    a, _receiver, target = _mooncake_pair(src, dst)
+    size = PAGE // REGIONS
+    marker_src, marker_dst = src[PAGE:].view(torch.int64), dst[PAGE:].view(torch.int64)
+    tokens = itertools.count(1)
+
+    def wait(batch: int) -> None:
+        while (status := a.transfer_check_status(batch)) == 0:
+            pass
+        if status != 1:
+            raise RuntimeError(f"Mooncake write ended with status {status}")
+
+    def step() -> None:
+        token = next(tokens)
+        marker_src[0], marker_src[1] = token, token ^ 0x5A5A
+        batches = [
+            a.transfer_submit_write(target, src.data_ptr() + i * size, dst.data_ptr() + i * size, size)
+            for i in range(REGIONS)
+        ]
+        for batch in batches:
+            wait(batch)
+        wait(a.transfer_submit_write(target, src.data_ptr() + PAGE, dst.data_ptr() + PAGE, MARKER))
+        if int(marker_dst[0]) != token or int(marker_dst[1]) != token ^ 0x5A5A:
+            raise RuntimeError(f"the marker of token {token} did not land")
+
+    return _samples(count, step)
 
 
 def mooncake_page(count: int) -> tuple[float, float]:
@@ -574,6 +621,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             show("mooncake_one", "Mooncake, one 64 KiB write, submit to completion", _median_us(one))
             show("mooncake", "Mooncake, four 16 KiB writes (one page, 4 regions)", _median_us(four))
             show("mooncake_p99", "Mooncake, the same four writes, p99", _percentile_us(four, 0.99))
+            marker = mooncake_marker_samples(args.count)
+            samples["mooncake_marker"] = marker
+            show("mooncake_marker", "Mooncake, the four writes, then a 16-byte marker", _median_us(marker))
     if "nixl" in parts:
         try:
             nixl = nixl_page_samples(args.count)

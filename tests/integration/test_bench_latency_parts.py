@@ -40,13 +40,15 @@ def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
         for line in done.stdout.splitlines()[1:]
         if re.search(r"\d$", line)
     }
-    expected = 10 + (3 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
+    expected = 10 + (4 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
     assert len(figures) == expected, done.stdout
     assert all(value > 0 for value in figures.values()), figures
     # The engines' samples, one per write (what vs_sglang.py's raw rows are made of).
     data = json.loads((tmp_path / "parts.json").read_text())
     assert len(data["figures_us"]) == expected
     assert {name: len(data["samples_s"][name]) for name in engines} == dict.fromkeys(engines, 50)
+    if "mooncake" in engines:  # the marker after the writes: each sample checked its token landed
+        assert len(data["samples_s"]["mooncake_marker"]) == 50
 
 
 def test_an_unknown_part_is_a_usage_error() -> None:
