@@ -28,6 +28,14 @@ from .engine_peer import EnginePeer  # noqa: E402
 
 WAIT = 30.0
 DRAIN = 2.0
+#: Both sides' connector settings, unless a test says otherwise.
+SETTINGS: dict[str, Any] = {
+    "backend": "mooncake",
+    "heartbeat_interval": 0.1,
+    "heartbeat_misses": 3,
+    "drain_timeout": DRAIN,
+    "waiting_timeout": 60,
+}
 _ids = itertools.count()
 
 
@@ -36,14 +44,7 @@ class PD:
 
     def __init__(self, hold_timeout: float = 60.0, **extra: Any) -> None:
         self.engine_id = f"prefill-{next(_ids)}"
-        common: dict[str, Any] = {
-            "backend": "mooncake",
-            "heartbeat_interval": 0.1,
-            "heartbeat_misses": 3,
-            "drain_timeout": DRAIN,
-            "waiting_timeout": 60,
-            **extra,
-        }
+        common: dict[str, Any] = {**SETTINGS, **extra}
         self.prefill = EnginePeer(
             "kv_producer", self.engine_id, {**common, "port": free_port(), "hold_timeout": hold_timeout}
         )
@@ -200,13 +201,8 @@ def test_a_killed_prefills_quarantined_load_does_not_hold_up_another_prefills_re
     prefill B must still load. On the old count (every open load), it waited
     in vLLM's queue for as long as the quarantine lasted: until an operator.
     """
-    common: dict[str, Any] = {
-        "backend": "mooncake",
-        "heartbeat_interval": 0.1,
-        "heartbeat_misses": 3,
-        "drain_timeout": DRAIN,
-        "waiting_timeout": 60,
-    }
+    # A 3 s heartbeat window, so that only the killed prefill is lost (the lease test says why).
+    common: dict[str, Any] = {**SETTINGS, "heartbeat_misses": 30}
     dead = EnginePeer("kv_producer", f"prefill-{next(_ids)}", {**common, "port": free_port(), "hold_timeout": 60})
     live = EnginePeer("kv_producer", f"prefill-{next(_ids)}", {**common, "port": free_port(), "hold_timeout": 60})
     decode = EnginePeer("kv_consumer", f"decode-{next(_ids)}", {**common, "max_inflight_loads": 1})
