@@ -310,8 +310,13 @@ class SchedulerHalf:
         return count, True
 
     def _running_loads(self) -> int:
-        """Loads that may still transfer: a failed one whose blocks wait for proof of drain is not."""
-        return sum(1 for load in self._loads.values() if not load.handle.is_terminal)
+        """Loads that may still transfer: a failed one whose blocks wait for proof of drain is not.
+
+        Read from the decode table's live counts (its every open room is a
+        load), so it costs the same with thousands of quarantined loads.
+        """
+        counts = self.decode.counts()
+        return len(self.decode) - counts[KVPoll.Success] - counts[KVPoll.Failed]
 
     def _tp_problem(self, source: RemoteSource) -> str | None:
         remote, local = source.tp_size, self.tp_size
