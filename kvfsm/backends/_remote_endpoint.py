@@ -44,6 +44,7 @@ import attrs
 from .._errors import ConfigError
 from .._states import FailureKind, FailureReason, Role
 from . import codec, wire
+from ._markers import MarkerSlots
 from ._remote_engine import EngineAdapter
 from ._sessions import Session, SessionState, SessionTable
 from ._transport import ControlStats, Transport
@@ -102,6 +103,14 @@ def _count(name: str, low: int, high: int | None = None) -> Callable[[object, at
     return check
 
 
+def _flag(name: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"RemoteConfig.{name} must be True or False; got {value!r}")
+
+    return check
+
+
 def _host(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, str) or not value or len(value) > 255:
         raise ConfigError(f"RemoteConfig.host must be a host name or address; got {value!r}")
@@ -148,6 +157,12 @@ class RemoteConfig:
     `max_pending`, `max_pending_per_session` and `max_pending_pages` bound
     the early claims and aborts held for rooms not bootstrapped yet (in
     entries, and in the pages those claims list).
+    `completion_markers` completes rooms on the data plane (`_markers`):
+    the prefill writes a room's commit marker into the decode's memory once
+    every write landed, and the decode, which reads its claimed rooms'
+    `marker_slots` every `marker_poll_interval` seconds while any is
+    claimed, succeeds without waiting for DONE (which still follows). Off,
+    or with no slot free, DONE alone completes a room.
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host)
@@ -167,6 +182,9 @@ class RemoteConfig:
     max_writes_in_flight: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_count("max_writes_in_flight", 1))
     )
+    completion_markers: bool = attrs.field(default=True, validator=_flag("completion_markers"))
+    marker_slots: int = attrs.field(default=4096, validator=_count("marker_slots", 1, 1 << 20))
+    marker_poll_interval: float = attrs.field(default=0.00005, validator=_positive("marker_poll_interval"))
 
     @property
     def peer_window(self) -> float:
@@ -205,6 +223,11 @@ class RemoteStats:
     engine_calls_stuck: int = 0
     #: Engine calls that raised where a status was expected (a job's poll, cancel or release).
     engine_errors: int = 0
+    #: Decode side: rooms that succeeded on their commit marker, before their DONE came.
+    marker_completions: int = 0
+    #: Prefill side: commit markers written, and those not written or failed (DONE completed those rooms).
+    markers_written: int = 0
+    markers_missed: int = 0
 
 
 def pools_fields(pools: KVPools) -> dict[str, Any]:
@@ -330,6 +353,9 @@ class RemoteEndpoint(abc.ABC):
             max_half_open_bytes=_HALF_OPEN_BYTES,
         )
         self.transport: Transport = _NoTransport()
+        # Completion on the data plane (`_markers`): the decode's slots are where prefills write
+        # its rooms' markers, the prefill's are where those markers are written from.
+        self.markers: MarkerSlots | None = MarkerSlots(config.marker_slots) if config.completion_markers else None
 
     @property
     def pools(self) -> KVPools | None:
@@ -345,7 +371,10 @@ class RemoteEndpoint(abc.ABC):
     def _session_fields(self) -> tuple[dict[str, Any], bytes | None]:
         assert self.pools is not None
         fields, blob = self.engine.session()
-        return {**fields, "pools": pools_fields(self.pools)}, blob
+        fields = {**fields, "pools": pools_fields(self.pools)}
+        if self.markers is not None:
+            fields["markers"] = [self.markers.ptr, self.markers.slots]
+        return fields, blob
 
     def _layout_mismatch(self, pools: KVPools, session: dict[str, Any]) -> str | None:
         """Why the peer, with `pools` and engine `session` fields, cannot exchange KV with us (None: it can).

@@ -115,6 +115,10 @@ class EngineAdapter(abc.ABC):
     def register(self, regions: list[MemoryRegion]) -> None:
         """Register the endpoint's memory."""
 
+    def register_host(self, regions: list[MemoryRegion]) -> None:
+        """Register kvfsm's own host buffers (commit markers), whatever memory the pools are in."""
+        self.register(regions)
+
     @abc.abstractmethod
     def session(self) -> tuple[dict[str, Any], bytes | None]:
         """What a peer needs to reach this engine: JSON fields and an optional blob."""
@@ -129,6 +133,10 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         """Start writes into the peer's memory; the job tells when they ended."""
+
+    def submit_host(self, target: Any, writes: list[Write]) -> EngineJob:
+        """Start writes between host buffers (`register_host`'s, and aux slots in host memory)."""
+        return self.submit(target, writes)
 
     def progress(self) -> None:
         """Let the engine move incoming writes along (see `receiver_progress`)."""

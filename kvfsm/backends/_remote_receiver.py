@@ -45,6 +45,7 @@ from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import codec, wire
 from ._errors import BackendError
+from ._markers import new_token
 from ._remote_endpoint import Fire, RemoteEndpoint, new_generation, peer_reason, pools_from_fields, step
 from ._sessions import Session, SessionState
 
@@ -58,6 +59,8 @@ _D = wire.DecodeWire
 _WRITABLE = frozenset({_D.CLAIMED, _D.RECEIVING, _D.ABORTING, _D.PEER_ABORTED})
 #: States in which nothing of the prefill can land any more: release-safe once failed.
 _QUIET = frozenset({_D.SETTLED, _D.UNTOLD, _D.DONE})
+#: States in which the room's commit marker completes it.
+_MARKABLE = frozenset({_D.CLAIMED, _D.RECEIVING})
 #: While a notifying engine may be writing into us, poll it this often (seconds).
 _BUSY_TICK = 0.0001
 #: The pause before a handshake is tried again: this, doubling per attempt, at most
@@ -70,7 +73,20 @@ _RETRY_MOST = 1.0
 class RecvRecord:
     """One decode generation of a room: its handle, session, generation and claim."""
 
-    __slots__ = ("aux", "expected", "gen", "handle", "pages", "pgen", "room", "session", "wire")
+    __slots__ = (
+        "aux",
+        "expected",
+        "gen",
+        "handle",
+        "marked",
+        "marker",
+        "pages",
+        "pgen",
+        "room",
+        "seen_bytes",
+        "session",
+        "wire",
+    )
 
     def __init__(self, handle: TransferHandle, session: Session, room: Any = None) -> None:
         self.handle = handle
@@ -83,11 +99,17 @@ class RecvRecord:
         self.aux: int | None = None
         self.expected = False
         self.wire: wire.DecodeWire | None = None
+        #: The room's commit-marker slot and the token it waits for there (`_markers`), if it has one.
+        self.marker: tuple[int, int] | None = None
+        self.marked = False
+        #: Bytes its CHUNKs reported: the marker's count, less these, is the last chunk's.
+        self.seen_bytes = 0
 
     def fields(self, kind: str) -> dict[str, Any]:
         base: dict[str, Any] = {"room": self.room, "gen": self.gen}
         if kind == "ROOM":
-            return {**base, "pages": self.pages, "aux": self.aux}
+            marker = None if self.marker is None else list(self.marker)
+            return {**base, "pages": self.pages, "aux": self.aux, "marker": marker}
         reason = self.handle.reason
         return {
             **base,
@@ -107,6 +129,8 @@ class DecodeEndpoint(RemoteEndpoint):
         self._recv_by_handle: dict[tuple[Any, int], RecvRecord] = {}
         # Records the prefill may be writing into (`_WRITABLE`; the engine is polled while any is).
         self._claimed: set[RecvRecord] = set()
+        # Claimed records whose marker slot is read (CLAIMED or RECEIVING, with a slot).
+        self._watched: set[RecvRecord] = set()
         # Sessions whose (next) HELLO waits for its pause to end.
         self._hellos_due: list[Session] = []
 
@@ -193,14 +217,17 @@ class DecodeEndpoint(RemoteEndpoint):
                 problem = None
                 rec.expected = True
                 rec.pages, rec.aux = pages, aux_index
+                slot = None if self.markers is None else self.markers.take()
+                if slot is not None:
+                    rec.marker = (slot, new_token())
                 row = step(wire.DECODE_TABLE, rec, "expect")
                 if row is not None:
                     self._track(rec)
                     self._emit(rec.session, row, rec.fields)
         if problem is not None:
             self._reject(handle, problem)
-        if self.engine.receiver_progress:
-            self.transport.wake()  # the engine needs polling from now on, not at the next tick
+        if self.engine.receiver_progress or rec.marker is not None:
+            self.transport.wake()  # the engine or the marker needs polling from now on, not at the next tick
 
     def stop(self, handle: TransferHandle) -> None:
         with self._lock:
@@ -221,6 +248,10 @@ class DecodeEndpoint(RemoteEndpoint):
                 step(wire.DECODE_TABLE, rec, "close")
                 rec.session.records.pop(rec.gen, None)
                 self._claimed.discard(rec)
+                self._watched.discard(rec)
+                if rec.marker is not None and self.markers is not None:
+                    # Reused at once: a late marker into it carries this room's token, which no later room waits for.
+                    self.markers.give(rec.marker[0])
 
     # -- the handshake ---------------------------------------------------------------------------
 
@@ -358,6 +389,8 @@ class DecodeEndpoint(RemoteEndpoint):
                 self.remote_stats.wrong_generation += 1
                 return
         kind = frame.type
+        if rec.marked and kind in ("CHUNK", "DONE"):
+            return  # the marker completed the room first: these are its expected echoes, not stale
         if wire.DECODE_TABLE.row(rec.wire, f"recv {kind}") is None:
             self.remote_stats.stale_messages += 1
             return
@@ -375,6 +408,7 @@ class DecodeEndpoint(RemoteEndpoint):
         self._emit(session, row, rec.fields)
         handle = rec.handle
         if kind == "CHUNK":
+            rec.seen_bytes += frame["nbytes"]
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=False))
         elif kind == "DONE":
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=True))
@@ -386,11 +420,29 @@ class DecodeEndpoint(RemoteEndpoint):
             fire.append(handle.writes_drained)
 
     def _track(self, rec: RecvRecord) -> None:
-        """Keep `_claimed` in step with the record's wire state (lock held)."""
+        """Keep `_claimed` and `_watched` in step with the record's wire state (lock held)."""
         if rec.wire in _WRITABLE:
             self._claimed.add(rec)
         else:
             self._claimed.discard(rec)
+        if rec.marker is not None and rec.wire in _MARKABLE:
+            self._watched.add(rec)
+        else:
+            self._watched.discard(rec)
+
+    def _read_markers(self, fire: Fire) -> None:
+        """Complete every watched room whose token is in its marker slot (lock held)."""
+        markers = self.markers
+        assert markers is not None
+        for rec in [rec for rec in self._watched if rec.marker is not None and markers.holds(*rec.marker)]:
+            assert rec.marker is not None
+            nbytes = max(0, markers.nbytes(rec.marker[0]) - rec.seen_bytes)
+            row = step(wire.DECODE_TABLE, rec, "marker")
+            assert row is not None
+            rec.marked = True
+            self._track(rec)
+            self.remote_stats.marker_completions += 1
+            fire.append(functools.partial(self._progress, rec.handle, nbytes, last=True))
 
     def _copy_aux(self, rec: RecvRecord, frame: codec.Frame) -> bool:
         """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
@@ -438,11 +490,20 @@ class DecodeEndpoint(RemoteEndpoint):
             fire.append(functools.partial(rec.handle.fail, reason))
 
     def _poll_engine(self, now: float) -> float | None:
-        if not self.engine.receiver_progress or not self._claimed:
-            return None
-        try:
-            self.engine.progress()
-        except Exception as exc:  # an engine that raises where it should report (NIXL's disconnects)
-            self.remote_stats.engine_errors += 1
-            logger.debug("kvfsm %s: engine progress raised: %s", self.name, exc)
-        return _BUSY_TICK
+        wait: float | None = None
+        if self.engine.receiver_progress and self._claimed:
+            try:
+                self.engine.progress()
+            except Exception as exc:  # an engine that raises where it should report (NIXL's disconnects)
+                self.remote_stats.engine_errors += 1
+                logger.debug("kvfsm %s: engine progress raised: %s", self.name, exc)
+            wait = _BUSY_TICK
+        if self._watched:
+            fire: Fire = []
+            with self._lock:
+                self._read_markers(fire)
+            for event in fire:
+                event()
+            if self._watched:
+                wait = min(wait or 1.0, self.config.marker_poll_interval)
+        return wait

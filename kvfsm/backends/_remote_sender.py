@@ -46,6 +46,7 @@ from typing import Any
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll, Role
 from . import codec, wire
+from ._markers import MARKER_BYTES, markers_from_fields
 from ._remote_endpoint import Fire, RemoteEndpoint, SeenClaims, peer_reason, pools_from_fields, step
 from ._remote_engine import Write, coalesce_runs, page_writes
 from ._remote_writer import Chunk, Claim, Lane
@@ -203,6 +204,7 @@ class PrefillEndpoint(RemoteEndpoint):
         """
         problem = None
         pools = None
+        markers = None
         if frame["role"] != Role.RECEIVER.value:
             problem = f"a HELLO comes from a decode (receiver); this one says it is {frame['role']!r:.40}"
         elif frame["engine"] != self.name:
@@ -210,6 +212,7 @@ class PrefillEndpoint(RemoteEndpoint):
         else:
             try:
                 pools = pools_from_fields(frame["session"].get("pools"))
+                markers = markers_from_fields(frame["session"].get("markers"))
             except (TypeError, ValueError) as exc:
                 problem = f"bad session: {exc}"
         if problem is None and self.pools is not None and pools is not None:
@@ -236,6 +239,7 @@ class PrefillEndpoint(RemoteEndpoint):
                 self._evict(old, fire)
             session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
             session.pools, session.refused = pools, problem
+            session.markers = markers
             session.hello = (frame["session"], frame.blob)
             session.records = {}
             self._seen[session.sid] = SeenClaims()
@@ -598,13 +602,15 @@ class PrefillEndpoint(RemoteEndpoint):
             self.remote_stats.stale_messages += 1
 
     def _on_room(self, session: Session, frame: codec.Frame, fire: Fire) -> None:
-        room, gen, pages, aux = frame["room"], frame["gen"], frame["pages"], frame["aux"]
+        room, gen, pages, aux, marker = frame["room"], frame["gen"], frame["pages"], frame["aux"], frame["marker"]
         key = (room, gen)
         seen = self._seen.get(session.sid)
         if key in session.records or (seen is not None and gen in seen):
             self.remote_stats.stale_messages += 1  # a duplicate or a replay of a finished claim
             return
         claim = Claim(session, room, gen, list(pages), aux)
+        if marker is not None and session.markers is not None and marker[0] < session.markers[1]:
+            claim.marker = (session.markers[0] + marker[0] * MARKER_BYTES, marker[1])
         session.records[key] = claim
         slot = self._slots.get(room)
         if slot is not None:
@@ -621,6 +627,11 @@ class PrefillEndpoint(RemoteEndpoint):
         elif aux is not None and aux >= session.pools.num_aux_slots:
             problem = self._bootstrap_error(
                 f"aux slot {aux} is out of range (the decode has {session.pools.num_aux_slots})"
+            )
+        elif marker is not None and (session.markers is None or marker[0] >= session.markers[1]):
+            slots = 0 if session.markers is None else session.markers[1]
+            problem = self._bootstrap_error(
+                f"commit-marker slot {marker[0]} is out of range (the decode named {slots} marker slots)"
             )
         elif slot is not None and slot.wire is _R.ORPHANED:
             self.remote_stats.held_room_refusals += 1

@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
+from ._markers import MARKER_BYTES, MarkerSlots
 from ._naps import precise_naps
 from ._remote_endpoint import RemoteConfig, RemoteStats, step
 from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, page_writes
@@ -120,6 +121,7 @@ class LaneOwner(Protocol):
     config: RemoteConfig
     engine: EngineAdapter
     remote_stats: RemoteStats
+    markers: MarkerSlots | None
     _lock: threading.Lock
 
     @property
@@ -183,6 +185,10 @@ class Claim:
         "gen",
         "handle",
         "jobs",
+        "marker",
+        "marker_job",
+        "marker_src",
+        "nbytes_done",
         "pages",
         "pgen",
         "queued",
@@ -224,6 +230,13 @@ class Claim:
         self.timeouts_seen = 0
         # A failed write that does not prove its bytes stopped: never report this claim drained.
         self.undrained = False
+        # The decode's commit-marker address and token (`_markers`), if its claim named a slot; the
+        # marker's write once submitted, and the slot of ours it is written from.
+        self.marker: tuple[int, int] | None = None
+        self.marker_job: Submitted | None = None
+        self.marker_src: int | None = None
+        # Bytes of the chunks completed so far (the marker carries the room's total).
+        self.nbytes_done = 0
 
     def fields(self, kind: str, reason: FailureReason | None = None) -> dict[str, Any]:
         base: dict[str, Any] = {"room": self.room, "gen": self.gen, "pgen": self.pgen}
@@ -351,6 +364,8 @@ class Lane:
                 for claim in self.active.values():
                     for submitted in claim.jobs:
                         self._cancel(submitted.job)
+                    if claim.marker_job is not None:
+                        self._cancel(claim.marker_job.job)
                 self.ended = True
                 return None
             moved = True
@@ -359,7 +374,12 @@ class Lane:
             moved |= self._guarded(claim, self._advance)
         moved |= self._submit_round()
         for key, claim in list(self.active.items()):
-            if not claim.stopped and not claim.jobs and (not claim.chunks or claim.chunks[0].waiting):
+            if (
+                not claim.stopped
+                and not claim.jobs
+                and claim.marker_job is None
+                and (not claim.chunks or claim.chunks[0].waiting)
+            ):
                 # Nothing to poll (the rest waits in `queued`): a submit, a new chunk or a stop
                 # brings it back. A stopped claim leaves once drained (_advance), even when its
                 # submit failed before anything went out: the decode waits for that ABORT_ACK.
@@ -504,6 +524,8 @@ class Lane:
 
     def _advance(self, claim: Claim) -> bool:
         """Poll the claim's writes, stop or drain it, and complete its chunks in order (no submits here)."""
+        if claim.marker_job is not None:
+            self._poll_marker(claim)
         before = len(claim.jobs)
         failure = self._poll_jobs(claim)
         moved = len(claim.jobs) != before
@@ -526,6 +548,7 @@ class Lane:
                 break
             if not chunk.last:
                 claim.chunks.popleft()
+                claim.nbytes_done += chunk.nbytes
                 handle.chunk_done(chunk.nbytes)
                 with self.owner._lock:
                     row = step(wire.CLAIM_TABLE, claim, "progress")
@@ -608,6 +631,9 @@ class Lane:
                     chunk.todo.extendleft(reversed(writes))  # the engine was busy: these go again
                 return 0
             chunk.jobs.append(submitted)
+            if chunk.last and not chunk.todo and chunk.tail is None and self._marks(claim) and claim.aux is not None:
+                # The marker, not the order of writes, commits the room: the aux slot need not wait.
+                self._submit_tail(claim, chunk)
             return submitted.writes
         return 0
 
@@ -629,21 +655,91 @@ class Lane:
                 blob = b"".join(ctypes.string_at(r.ptr + aux_src * r.page_nbytes, r.page_nbytes) for r in pools.aux)
             else:
                 if chunk.tail is None:
-                    peer = claim.session
-                    assert peer.pools is not None
                     if claim.stopped or handle.is_terminal:
                         return True
-                    if peer.writes_in_flight >= self.budget or claim.retry_at > time.monotonic():
+                    if not self._submit_tail(claim, chunk):
                         return False
-                    writes = page_writes(pools.aux, peer.pools.aux, [(aux_src, claim.aux, 1)])
-                    tail = self._submit(claim, writes)
-                    if tail is None:
-                        return False
-                    chunk.tail = tail
                 if chunk.tail in claim.jobs:
                     return False
         self._complete(claim, chunk, blob)
         return True
+
+    def _submit_tail(self, claim: Claim, chunk: Chunk) -> bool:
+        """Submit the last chunk's aux slot write (engine-written aux); False if it must wait."""
+        pools = self.owner.pools
+        peer = claim.session
+        assert pools is not None and peer.pools is not None and claim.aux_src is not None and claim.aux is not None
+        if peer.writes_in_flight >= self.budget or claim.retry_at > time.monotonic():
+            return False
+        writes = page_writes(pools.aux, peer.pools.aux, [(claim.aux_src, claim.aux, 1)])
+        host = all(r.device == "cpu" for r in (*pools.aux, *peer.pools.aux))
+        tail = self._submit(claim, writes, host=host)
+        if tail is None:
+            return False
+        chunk.tail = tail
+        return True
+
+    def _marks(self, claim: Claim) -> bool:
+        """Whether this claim's room completes on a commit marker we write (its aux then goes by the engine)."""
+        return claim.marker is not None and self.owner.markers is not None
+
+    def _write_marker(self, claim: Claim, nbytes: int) -> None:
+        """Every write of the room landed and it succeeded here: write its commit marker into the decode.
+
+        Rule 14 holds by where this is called: only from `_complete`, after
+        every job of the claim ended without failure and `transfer_done`
+        applied. A marker that cannot be written costs only time: DONE
+        follows and completes the room.
+        """
+        markers = self.owner.markers
+        stats = self.owner.remote_stats
+        if claim.marker is None or markers is None:
+            return
+        source = markers.take()
+        if source is None:
+            stats.markers_missed += 1
+            return
+        address, token = claim.marker
+        markers.write(source, token, nbytes)
+        try:
+            with self._calling("submit of the commit marker"):
+                job = self.owner.engine.submit_host(self.target, [(markers.address(source), address, MARKER_BYTES)])
+        except Exception as exc:
+            stats.markers_missed += 1
+            markers.give(source)
+            logger.debug("kvfsm %s room %r: the commit marker was not submitted: %s", self.owner.name, claim.room, exc)
+            return
+        claim.marker_src = source
+        claim.marker_job = Submitted(job, 1)
+        claim.session.writes_in_flight += 1
+
+    def _poll_marker(self, claim: Claim) -> None:
+        """Poll the commit marker's write; once it ended, free its source slot (unless it may still be read)."""
+        submitted = claim.marker_job
+        assert submitted is not None
+        stats = self.owner.remote_stats
+        job = submitted.job
+        try:
+            with self._calling("poll of the commit marker"):
+                status = job.poll()
+        except Exception as exc:
+            stats.engine_errors += 1
+            logger.debug("kvfsm %s: polling a commit marker raised: %s", self.owner.name, exc)
+            status = "failed"
+            job.may_still_land |= not self._cancel(job)
+        if status in ("pending", "timeout"):
+            return
+        if status == "done":
+            stats.markers_written += 1
+        else:
+            stats.markers_missed += 1
+        claim.marker_job = None
+        self._ended(claim, submitted)
+        self._release(job)
+        markers = self.owner.markers
+        if claim.marker_src is not None and markers is not None and not job.may_still_land:
+            markers.give(claim.marker_src)
+        claim.marker_src = None
 
     def _complete(self, claim: Claim, chunk: Chunk, blob: bytes | None) -> None:
         """The commit point: nothing of the claim is in flight; check the room, complete it, then tell the decode."""
@@ -653,6 +749,7 @@ class Lane:
             return
         handle.chunk_done(chunk.nbytes, last=True)
         if handle.transfer_done():
+            self._write_marker(claim, claim.nbytes_done + chunk.nbytes)
             with self.owner._lock:
                 row = step(wire.CLAIM_TABLE, claim, "landed")
                 if row is not None:
@@ -665,11 +762,11 @@ class Lane:
         """Whether the aux bytes travel inside DONE: both aux pools are host memory and a slot fits a frame."""
         pools = self.owner.pools
         assert pools is not None and claim.session.pools is not None
-        if sum(r.page_nbytes for r in pools.aux) > wire.MAX_BLOB_BYTES:
+        if self._marks(claim) or sum(r.page_nbytes for r in pools.aux) > wire.MAX_BLOB_BYTES:
             return False
         return all(r.device == "cpu" for r in (*pools.aux, *claim.session.pools.aux))
 
-    def _submit(self, claim: Claim, writes: list[Write]) -> Submitted | None:
+    def _submit(self, claim: Claim, writes: list[Write], *, host: bool = False) -> Submitted | None:
         """Submit `writes` as one job, counted against the session's budget; None if it did not go out.
 
         A busy engine (`EngineBusy`) leaves the claim to try again after a
@@ -684,7 +781,8 @@ class Lane:
             return None
         try:
             with self._calling(f"submit of {len(writes)} writes"):
-                job = self.owner.engine.submit(self.target, writes)
+                engine = self.owner.engine
+                job = (engine.submit_host if host else engine.submit)(self.target, writes)
         except EngineBusy as exc:
             now = time.monotonic()
             stats.engine_busy += 1

@@ -59,6 +59,7 @@ class Session:
         "key",
         "lane",
         "last_seen",
+        "markers",
         "peer_key",
         "peer_sid",
         "pools",
@@ -79,6 +80,8 @@ class Session:
         self.peer_key: str | None = None
         self.channel: Any = None
         self.pools: KVPools | None = None
+        # Prefill side: the decode's commit-marker region (ptr, slots), if it named one (`_markers`).
+        self.markers: tuple[int, int] | None = None
         self.engine_id: str | None = None
         # A prefill keeps the HELLO's engine session until the decode confirms (see the prefill half).
         self.hello: tuple[dict[str, Any], bytes | None] | None = None

@@ -162,6 +162,11 @@ class NixlEngine(EngineAdapter):
             for (mem, _device), descs in by_type.items():
                 self._registered.append(self.agent.register_memory(descs, mem))
 
+    def register_host(self, regions: list[MemoryRegion]) -> None:
+        # DRAM, whatever the pools are in: the memory type of KV writes stays the pools'.
+        with self.lock:
+            self._registered.append(self.agent.register_memory([(r.ptr, r.nbytes, 0, "") for r in regions], "DRAM"))
+
     def session(self) -> tuple[dict[str, Any], bytes | None]:
         with self.lock:
             metadata = self.agent.get_agent_metadata()
@@ -212,11 +217,17 @@ class NixlEngine(EngineAdapter):
 
     def submit(self, target: Any, writes: list[Write]) -> EngineJob:
         name, remote_mem = target
+        return self._transfer(name, writes, (self._mem_type, self._device), (remote_mem, 0))
+
+    def submit_host(self, target: Any, writes: list[Write]) -> EngineJob:
+        return self._transfer(target[0], writes, ("DRAM", 0), ("DRAM", 0))
+
+    def _transfer(self, name: str, writes: list[Write], local: tuple[str, int], remote: tuple[str, int]) -> EngineJob:
         detail = f"{len(writes)} descriptors, {sum(w[2] for w in writes)} bytes to {name}"
         with self.lock:
-            local = self.agent.get_xfer_descs([(w[0], w[2], self._device) for w in writes], self._mem_type)
-            remote = self.agent.get_xfer_descs([(w[1], w[2], 0) for w in writes], remote_mem)
-            handle = self.agent.initialize_xfer("WRITE", local, remote, name, b"")
+            mine = self.agent.get_xfer_descs([(w[0], w[2], local[1]) for w in writes], local[0])
+            theirs = self.agent.get_xfer_descs([(w[1], w[2], remote[1]) for w in writes], remote[0])
+            handle = self.agent.initialize_xfer("WRITE", mine, theirs, name, b"")
             state = self.agent.transfer(handle)
             if state == "ERR":
                 self.agent.release_xfer_handle(handle)

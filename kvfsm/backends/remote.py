@@ -175,6 +175,9 @@ class RemoteBackend(KVBackend):
 
     def _register_pools(self, pools: KVPools) -> None:
         self.engine.register([*pools.kv, *pools.aux])
+        markers = self.endpoint.markers
+        if markers is not None:
+            self.engine.register_host([markers.region])
 
     def _bootstrap(self, handle: TransferHandle, peer: str) -> None:
         self.endpoint.bootstrap(handle, peer)

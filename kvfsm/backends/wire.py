@@ -138,6 +138,9 @@ MAX_TEXT = 4096
 MAX_PAGES = 1 << 19
 #: Generations are positive 63-bit numbers (JSON ints every peer parses exactly).
 MAX_GEN = (1 << 63) - 1
+#: A decode's commit-marker region (`_markers`): at most this many slots; tokens 1..MAX_TOKEN.
+MAX_MARKER_SLOTS = 1 << 20
+MAX_TOKEN = (1 << 63) - 1
 # A reason travels as text of at most this; the core already cuts longer ones.
 assert MAX_REASON_CHARS <= MAX_TEXT and MAX_ROOM_ID_CHARS <= MAX_TEXT
 
@@ -196,6 +199,18 @@ def _mapping(value: Any) -> bool:
     return value.__class__ is dict and all(k.__class__ is str for k in value)
 
 
+def _marker(value: Any) -> bool:
+    # None, or [slot, token]: the decode's marker slot for the room and the token it minted.
+    return value is None or (
+        value.__class__ is list
+        and len(value) == 2
+        and _is_int(value[0])
+        and _is_int(value[1])
+        and 0 <= value[0] < MAX_MARKER_SLOTS
+        and 0 < value[1] <= MAX_TOKEN
+    )
+
+
 def _pages(value: Any) -> bool:
     return (
         value.__class__ is list
@@ -216,6 +231,7 @@ CHECK_DOCS: dict[Check, str] = {
     _opt_count: "an int >= 0 or null",
     _mapping: "a JSON object",
     _pages: f"a list of at most {MAX_PAGES} page indices (ints >= 0)",
+    _marker: f"null or [slot, token]: a slot in 0..{MAX_MARKER_SLOTS - 1} and a token in 1..2**63-1",
 }
 
 
@@ -299,9 +315,10 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "ROOM",
         Sender.DECODE,
         Scope.ROOM,
-        (("room", room_id_ok), ("gen", _gen), ("pages", _pages), ("aux", _opt_count)),
+        (("room", room_id_ok), ("gen", _gen), ("pages", _pages), ("aux", _opt_count), ("marker", _marker)),
         False,
-        "the decode's claim on the prefill's room: its generation, destination pages and aux slot",
+        "the decode's claim on the prefill's room: its generation, destination pages, aux slot and "
+        "commit-marker slot and token (None: complete it with DONE only)",
     ),
     MessageSpec(
         "CHUNK",
@@ -405,6 +422,9 @@ DECODE_TABLE = WireTable(
         WireRow("expect", (_D.READY,), _D.CLAIMED, ("ROOM",), "expect(): claim the prefill's room with our pages"),
         WireRow("recv CHUNK", (_D.CLAIMED, _D.RECEIVING), _D.RECEIVING, (), "a middle chunk landed"),
         WireRow("recv DONE", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "everything landed: Success"),
+        WireRow(
+            "marker", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "our token is in the room's marker slot: Success"
+        ),
         WireRow("recv ABORT", (_D.CLAIMED, _D.RECEIVING), _D.PEER_ABORTED, (), "the prefill failed: wait for its ACK"),
         WireRow("recv ABORT", (_D.ABORTING,), _D.ABORTING, (), "both sides failed: still wait for the ACK"),
         WireRow(

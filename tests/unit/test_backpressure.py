@@ -105,7 +105,12 @@ def _same_bytes(world: World, pages: list[int]) -> bool:
 
 
 def _each_written_once(world: World) -> collections.Counter[int]:
-    return collections.Counter(dst for _src, dst, _n in world.prefill.sim_engine.submitted)
+    """How often each KV page write's destination was submitted (the aux slot and the commit marker aside)."""
+    pools = world.decode_pools[0]
+    kv = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (pools.k, pools.v)]
+    return collections.Counter(
+        dst for _src, dst, _n in world.prefill.sim_engine.submitted if any(lo <= dst < hi for lo, hi in kv)
+    )
 
 
 def test_the_budget_of_writes_in_flight_holds_however_much_is_queued(world: World) -> None:

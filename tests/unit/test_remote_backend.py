@@ -91,9 +91,11 @@ class ScriptedEngine(EngineAdapter):
 class ScriptedBackend(RemoteBackend):
     name = "scripted"
 
-    def __init__(self, manager: kvfsm.TransferManager, timeout_fails: bool = False) -> None:
+    def __init__(self, manager: kvfsm.TransferManager, timeout_fails: bool = False, markers: bool = True) -> None:
         self.timeout_is_failure = timeout_fails
-        super().__init__(manager, RemoteConfig(heartbeat_interval=0.1, heartbeat_misses=3))
+        super().__init__(
+            manager, RemoteConfig(heartbeat_interval=0.1, heartbeat_misses=3, completion_markers=markers)
+        )
 
     def _make_engine(self) -> EngineAdapter:
         return ScriptedEngine()
@@ -103,7 +105,7 @@ class ScriptedBackend(RemoteBackend):
 
 
 class Pair:
-    def __init__(self, timeout_fails: bool = False, drain: float = 30.0) -> None:
+    def __init__(self, timeout_fails: bool = False, drain: float = 30.0, markers: bool = True) -> None:
         timeouts = kvfsm.Timeouts(drain=drain)
         self.sender = kvfsm.TransferManager("sender", timeouts=timeouts)
         self.receiver = kvfsm.TransferManager("receiver", timeouts=timeouts)
@@ -115,8 +117,8 @@ class Pair:
             k.normal_()
             v.normal_()
             aux.fill_(9)
-        self.send_backend = ScriptedBackend(self.sender, timeout_fails)
-        self.recv_backend = ScriptedBackend(self.receiver)
+        self.send_backend = ScriptedBackend(self.sender, timeout_fails, markers)
+        self.recv_backend = ScriptedBackend(self.receiver, markers=markers)
         self.send_backend.register_pools(KVPools.from_tensors(*self.pools["sender"]))
         self.recv_backend.register_pools(KVPools.from_tensors(*self.pools["receiver"]))
 
@@ -152,23 +154,37 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
-def test_pages_land_in_order_and_the_aux_slot_last(pair: Pair) -> None:
-    send, recv = pair.connect(1, [3, 4, 9], aux=1)
-    pair.send_backend.send(send, [0, 1], last=False)
-    pair.send_backend.send(send, [2], last=True, aux_index=2)
-    assert wait_for(lambda: recv.is_terminal)
-    assert (send.state, recv.state) == (kvfsm.KVPoll.Success, kvfsm.KVPoll.Success)
-    sk, sv, saux = pair.pools["sender"]
-    rk, rv, raux = pair.pools["receiver"]
-    assert torch.equal(rk[:, [3, 4, 9]], sk[:, [0, 1, 2]])
-    assert torch.equal(rv[:, [3, 4, 9]], sv[:, [0, 1, 2]])
-    assert torch.equal(raux[1], saux[2])
-    # 4 regions (k0, v0, k1, v1). Chunk 1: pages 0,1 -> 3,4 coalesce into one run per
-    # region; chunk 2: page 2 -> 9, one run per region. The aux slot (host memory on both
-    # sides) travels inside DONE: no engine write for it.
-    assert [len(job.writes) for job in pair.engine.jobs] == [4, 4]
-    assert [w[2] for w in pair.engine.jobs[0].writes] == [2 * 1024] * 4
-    assert recv.nbytes == send.nbytes == 3 * 4 * 1024
+@pytest.mark.parametrize("markers", [True, False], ids=["commit-marker", "done-only"])
+def test_pages_land_in_order_and_the_aux_slot_last(markers: bool) -> None:
+    pair = Pair(markers=markers)
+    try:
+        send, recv = pair.connect(1, [3, 4, 9], aux=1)
+        pair.send_backend.send(send, [0, 1], last=False)
+        pair.send_backend.send(send, [2], last=True, aux_index=2)
+        assert wait_for(lambda: recv.is_terminal)
+        assert (send.state, recv.state) == (kvfsm.KVPoll.Success, kvfsm.KVPoll.Success)
+        sk, sv, saux = pair.pools["sender"]
+        rk, rv, raux = pair.pools["receiver"]
+        assert torch.equal(rk[:, [3, 4, 9]], sk[:, [0, 1, 2]])
+        assert torch.equal(rv[:, [3, 4, 9]], sv[:, [0, 1, 2]])
+        assert torch.equal(raux[1], saux[2])
+        # 4 regions (k0, v0, k1, v1). Chunk 1: pages 0,1 -> 3,4 coalesce into one run per
+        # region; chunk 2: page 2 -> 9, one run per region.
+        jobs = pair.engine.jobs
+        assert [w[2] for w in jobs[0].writes] == [2 * 1024] * 4
+        if markers:
+            # The aux slot goes by the engine beside the last chunk, and the commit marker
+            # (16 bytes into the decode's marker slot) only after every other write ended.
+            assert wait_for(lambda: len(jobs) == 4 and jobs[3].copied)
+            assert [len(job.writes) for job in jobs] == [4, 4, 1, 1]
+            assert jobs[3].writes[0][2] == 16
+            assert all(job.copied for job in jobs)
+        else:
+            # The aux slot (host memory on both sides) travels inside DONE: no engine write for it.
+            assert [len(job.writes) for job in jobs] == [4, 4]
+        assert recv.nbytes == send.nbytes == 3 * 4 * 1024
+    finally:
+        pair.close()
 
 
 def test_mooncake_style_timeout_is_not_a_failure_by_default(pair: Pair) -> None:

@@ -1,0 +1,114 @@
+"""Completion on the data plane: the commit markers a prefill writes into its decode's memory.
+
+Over the control plane a room completes when the prefill's DONE has crossed
+ZeroMQ and been handled: two thread hand-offs and a round trip that sit on
+every request's time to first token (issue 23 traced them at about 300 us of
+a one-page room's 900). So a decode that can also hears it on the data plane:
+
+* it registers a small region of marker slots with its engine (one slot of
+  `MARKER_BYTES` per room it claims) and names the region in its HELLO;
+* its claim (ROOM) names a slot and a fresh random token for that room;
+* once every write of the room completed, and only then (rule 14: a failed
+  write is never followed by a marker), the prefill writes the token and the
+  byte count into that slot, from a slot of its own registered region;
+* the decode's control thread reads its claimed rooms' slots while any is
+  claimed; the token it minted, found there, proves every byte landed, and
+  the room succeeds without waiting for DONE.
+
+DONE still goes out as before and completes the room if the marker could
+not be written (no slot free on either side, the marker write failed). A
+DONE or CHUNK arriving after the marker is expected, not stale. Nothing
+but a token equal to the one the decode minted counts, so a slot is reused
+freely: a late marker of an earlier room carries that room's token and
+proves nothing for the next. This module holds the slots and the checks
+of what a peer says of its region; the halves that use them are
+`_remote_receiver` (reads) and `_remote_writer` (writes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+import threading
+from typing import Any
+
+from .memory import MemoryRegion
+from .wire import MAX_MARKER_SLOTS, MAX_TOKEN
+
+__all__ = ["MARKER_BYTES", "MarkerSlots", "markers_from_fields", "new_token"]
+
+#: One marker: the room's token, then the bytes the prefill wrote for it (both uint64).
+MARKER_BYTES = 16
+
+
+def new_token() -> int:
+    """A fresh room token: random, never 0."""
+    return secrets.randbelow(MAX_TOKEN) + 1
+
+
+class MarkerSlots:
+    """A host buffer of marker slots, the engine-registered region over it, and which slots are free."""
+
+    def __init__(self, slots: int) -> None:
+        if not 0 < slots <= MAX_MARKER_SLOTS:
+            raise ValueError(f"marker slots must be 1..{MAX_MARKER_SLOTS}; got {slots}")
+        self.slots = slots
+        # Two aligned uint64 per slot: each is read and written whole (token, then count).
+        self._words = (ctypes.c_uint64 * (2 * slots))()
+        self.ptr = ctypes.addressof(self._words)
+        self.region = MemoryRegion(self.ptr, slots * MARKER_BYTES, MARKER_BYTES, device="cpu", name="markers")
+        self._free = list(range(slots - 1, -1, -1))
+        # The prefill's lanes take and give source slots from threads of their own.
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """A free slot, emptied; None when every slot is taken."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        self._words[2 * slot] = 0
+        self._words[2 * slot + 1] = 0
+        return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def address(self, slot: int) -> int:
+        return self.ptr + slot * MARKER_BYTES
+
+    def write(self, slot: int, token: int, nbytes: int) -> None:
+        self._words[2 * slot] = token
+        self._words[2 * slot + 1] = nbytes
+
+    def holds(self, slot: int, token: int) -> bool:
+        """Whether `token` is in the slot (the proof a decode waits for)."""
+        return bool(self._words[2 * slot] == token)
+
+    def nbytes(self, slot: int) -> int:
+        """The byte count beside the token (read once the token matched; only for accounting)."""
+        return int(self._words[2 * slot + 1])
+
+
+def markers_from_fields(value: Any) -> tuple[int, int] | None:
+    """A peer's marker region (`[ptr, slots]` in its session fields), or None when it names none.
+
+    Raises TypeError for a value that is there but is not a region.
+    """
+    if value is None:
+        return None
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(item.__class__ is int for item in value)
+        and value[0] > 0
+        and 0 < value[1] <= MAX_MARKER_SLOTS
+    ):
+        raise TypeError(f"session.markers must be [ptr, slots] (1..{MAX_MARKER_SLOTS} slots); got {value!r:.80}")
+    return value[0], value[1]
+
