@@ -9,8 +9,9 @@ a one-page room's 900). So a decode that can also hears it on the data plane:
   `MARKER_BYTES` per room it claims) and names the region in its HELLO;
 * its claim (ROOM) names a slot and a fresh random token for that room;
 * once every write of the room completed, and only then (rule 14: a failed
-  write is never followed by a marker), the prefill writes the token and the
-  byte count into that slot, from a slot of its own registered region;
+  write is never followed by a marker), the prefill writes the token, the
+  room's byte count and its chunk count into that slot, from a slot of its
+  own registered region;
 * the decode's control thread reads its claimed rooms' slots while any is
   claimed; the token it minted, found there, proves every byte landed, and
   the room succeeds without waiting for DONE.
@@ -37,8 +38,9 @@ from .wire import MAX_MARKER_SLOTS, MAX_TOKEN
 
 __all__ = ["MARKER_BYTES", "MarkerSlots", "markers_from_fields", "new_token"]
 
-#: One marker: the room's token, then the bytes the prefill wrote for it (both uint64).
-MARKER_BYTES = 16
+#: One marker: the room's token, the bytes the prefill wrote for it and its chunks (uint64 each).
+MARKER_BYTES = 24
+_WORDS = MARKER_BYTES // 8
 
 
 def new_token() -> int:
@@ -53,8 +55,8 @@ class MarkerSlots:
         if not 0 < slots <= MAX_MARKER_SLOTS:
             raise ValueError(f"marker slots must be 1..{MAX_MARKER_SLOTS}; got {slots}")
         self.slots = slots
-        # Two aligned uint64 per slot: each is read and written whole (token, then count).
-        self._words = (ctypes.c_uint64 * (2 * slots))()
+        # Aligned uint64 words, each read and written whole: token, bytes, chunks.
+        self._words = (ctypes.c_uint64 * (_WORDS * slots))()
         self.ptr = ctypes.addressof(self._words)
         self.region = MemoryRegion(self.ptr, slots * MARKER_BYTES, MARKER_BYTES, device="cpu", name="markers")
         self._free = list(range(slots - 1, -1, -1))
@@ -67,8 +69,7 @@ class MarkerSlots:
             if not self._free:
                 return None
             slot = self._free.pop()
-        self._words[2 * slot] = 0
-        self._words[2 * slot + 1] = 0
+        self._words[_WORDS * slot] = 0
         return slot
 
     def give(self, slot: int) -> None:
@@ -82,17 +83,20 @@ class MarkerSlots:
     def address(self, slot: int) -> int:
         return self.ptr + slot * MARKER_BYTES
 
-    def write(self, slot: int, token: int, nbytes: int) -> None:
-        self._words[2 * slot] = token
-        self._words[2 * slot + 1] = nbytes
+    def write(self, slot: int, token: int, nbytes: int, chunks: int) -> None:
+        base = _WORDS * slot
+        self._words[base] = token
+        self._words[base + 1] = nbytes
+        self._words[base + 2] = chunks
 
     def holds(self, slot: int, token: int) -> bool:
         """Whether `token` is in the slot (the proof a decode waits for)."""
-        return bool(self._words[2 * slot] == token)
+        return bool(self._words[_WORDS * slot] == token)
 
-    def nbytes(self, slot: int) -> int:
-        """The byte count beside the token (read once the token matched; only for accounting)."""
-        return int(self._words[2 * slot + 1])
+    def counts(self, slot: int) -> tuple[int, int]:
+        """The byte and chunk counts beside the token (read once it matched; progress accounting only)."""
+        base = _WORDS * slot
+        return int(self._words[base + 1]), int(self._words[base + 2])
 
 
 def markers_from_fields(value: Any) -> tuple[int, int] | None:
@@ -111,4 +115,3 @@ def markers_from_fields(value: Any) -> tuple[int, int] | None:
     ):
         raise TypeError(f"session.markers must be [ptr, slots] (1..{MAX_MARKER_SLOTS} slots); got {value!r:.80}")
     return value[0], value[1]
-

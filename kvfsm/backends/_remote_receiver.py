@@ -84,6 +84,7 @@ class RecvRecord:
         "pgen",
         "room",
         "seen_bytes",
+        "seen_chunks",
         "session",
         "wire",
     )
@@ -102,8 +103,9 @@ class RecvRecord:
         #: The room's commit-marker slot and the token it waits for there (`_markers`), if it has one.
         self.marker: tuple[int, int] | None = None
         self.marked = False
-        #: Bytes its CHUNKs reported: the marker's count, less these, is the last chunk's.
+        #: Bytes and chunks its CHUNKs reported: the marker's counts, less these, are still to count.
         self.seen_bytes = 0
+        self.seen_chunks = 0
 
     def fields(self, kind: str) -> dict[str, Any]:
         base: dict[str, Any] = {"room": self.room, "gen": self.gen}
@@ -217,7 +219,10 @@ class DecodeEndpoint(RemoteEndpoint):
                 problem = None
                 rec.expected = True
                 rec.pages, rec.aux = pages, aux_index
-                slot = None if self.markers is None else self.markers.take()
+                # Not with an engine whose incoming writes need our polling (NIXL without its progress
+                # thread): once the room is done nothing would progress a marker still on its way, and
+                # the prefill's write of it would never end.
+                slot = None if self.markers is None or self.engine.receiver_progress else self.markers.take()
                 if slot is not None:
                     rec.marker = (slot, new_token())
                 row = step(wire.DECODE_TABLE, rec, "expect")
@@ -409,6 +414,7 @@ class DecodeEndpoint(RemoteEndpoint):
         handle = rec.handle
         if kind == "CHUNK":
             rec.seen_bytes += frame["nbytes"]
+            rec.seen_chunks += 1
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=False))
         elif kind == "DONE":
             fire.append(lambda: self._progress(handle, frame["nbytes"], last=True))
@@ -436,13 +442,16 @@ class DecodeEndpoint(RemoteEndpoint):
         assert markers is not None
         for rec in [rec for rec in self._watched if rec.marker is not None and markers.holds(*rec.marker)]:
             assert rec.marker is not None
-            nbytes = max(0, markers.nbytes(rec.marker[0]) - rec.seen_bytes)
+            nbytes, chunks = markers.counts(rec.marker[0])
             row = step(wire.DECODE_TABLE, rec, "marker")
             assert row is not None
             rec.marked = True
             self._track(rec)
             self.remote_stats.marker_completions += 1
-            fire.append(functools.partial(self._progress, rec.handle, nbytes, last=True))
+            # Middle chunks whose CHUNK has not come yet count now (their bytes go with the last).
+            middle = max(0, min(chunks, wire.MAX_PAGES + 1) - 1 - rec.seen_chunks)
+            rest = max(0, min(nbytes, wire.MAX_GEN) - rec.seen_bytes)
+            fire.append(functools.partial(self._marked, rec.handle, middle, rest))
 
     def _copy_aux(self, rec: RecvRecord, frame: codec.Frame) -> bool:
         """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
@@ -464,6 +473,12 @@ class DecodeEndpoint(RemoteEndpoint):
             ctypes.memmove(region.ptr + rec.aux * size, blob[offset : offset + size], size)
             offset += size
         return True
+
+    @classmethod
+    def _marked(cls, handle: TransferHandle, middle: int, nbytes: int) -> None:
+        for _ in range(middle):
+            cls._progress(handle, 0, last=False)
+        cls._progress(handle, nbytes, last=True)
 
     @staticmethod
     def _progress(handle: TransferHandle, nbytes: int, *, last: bool) -> None:

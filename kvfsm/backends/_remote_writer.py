@@ -181,6 +181,7 @@ class Claim:
         "aux_src",
         "busy_since",
         "chunks",
+        "chunks_done",
         "cursor",
         "gen",
         "handle",
@@ -235,8 +236,9 @@ class Claim:
         self.marker: tuple[int, int] | None = None
         self.marker_job: Submitted | None = None
         self.marker_src: int | None = None
-        # Bytes of the chunks completed so far (the marker carries the room's total).
+        # Bytes and chunks completed so far (the marker carries the room's totals).
         self.nbytes_done = 0
+        self.chunks_done = 0
 
     def fields(self, kind: str, reason: FailureReason | None = None) -> dict[str, Any]:
         base: dict[str, Any] = {"room": self.room, "gen": self.gen, "pgen": self.pgen}
@@ -549,6 +551,7 @@ class Lane:
             if not chunk.last:
                 claim.chunks.popleft()
                 claim.nbytes_done += chunk.nbytes
+                claim.chunks_done += 1
                 handle.chunk_done(chunk.nbytes)
                 with self.owner._lock:
                     row = step(wire.CLAIM_TABLE, claim, "progress")
@@ -683,7 +686,7 @@ class Lane:
         """Whether this claim's room completes on a commit marker we write (its aux then goes by the engine)."""
         return claim.marker is not None and self.owner.markers is not None
 
-    def _write_marker(self, claim: Claim, nbytes: int) -> None:
+    def _write_marker(self, claim: Claim, nbytes: int, chunks: int) -> None:
         """Every write of the room landed and it succeeded here: write its commit marker into the decode.
 
         Rule 14 holds by where this is called: only from `_complete`, after
@@ -700,7 +703,7 @@ class Lane:
             stats.markers_missed += 1
             return
         address, token = claim.marker
-        markers.write(source, token, nbytes)
+        markers.write(source, token, nbytes, chunks)
         try:
             with self._calling("submit of the commit marker"):
                 job = self.owner.engine.submit_host(self.target, [(markers.address(source), address, MARKER_BYTES)])
@@ -749,7 +752,7 @@ class Lane:
             return
         handle.chunk_done(chunk.nbytes, last=True)
         if handle.transfer_done():
-            self._write_marker(claim, claim.nbytes_done + chunk.nbytes)
+            self._write_marker(claim, claim.nbytes_done + chunk.nbytes, claim.chunks_done + 1)
             with self.owner._lock:
                 row = step(wire.CLAIM_TABLE, claim, "landed")
                 if row is not None:

@@ -422,9 +422,7 @@ DECODE_TABLE = WireTable(
         WireRow("expect", (_D.READY,), _D.CLAIMED, ("ROOM",), "expect(): claim the prefill's room with our pages"),
         WireRow("recv CHUNK", (_D.CLAIMED, _D.RECEIVING), _D.RECEIVING, (), "a middle chunk landed"),
         WireRow("recv DONE", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "everything landed: Success"),
-        WireRow(
-            "marker", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "our token is in the room's marker slot: Success"
-        ),
+        WireRow("marker", (_D.CLAIMED, _D.RECEIVING), _D.DONE, (), "our token is in the room's marker slot: Success"),
         WireRow("recv ABORT", (_D.CLAIMED, _D.RECEIVING), _D.PEER_ABORTED, (), "the prefill failed: wait for its ACK"),
         WireRow("recv ABORT", (_D.ABORTING,), _D.ABORTING, (), "both sides failed: still wait for the ACK"),
         WireRow(

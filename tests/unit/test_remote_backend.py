@@ -93,9 +93,7 @@ class ScriptedBackend(RemoteBackend):
 
     def __init__(self, manager: kvfsm.TransferManager, timeout_fails: bool = False, markers: bool = True) -> None:
         self.timeout_is_failure = timeout_fails
-        super().__init__(
-            manager, RemoteConfig(heartbeat_interval=0.1, heartbeat_misses=3, completion_markers=markers)
-        )
+        super().__init__(manager, RemoteConfig(heartbeat_interval=0.1, heartbeat_misses=3, completion_markers=markers))
 
     def _make_engine(self) -> EngineAdapter:
         return ScriptedEngine()
@@ -174,10 +172,10 @@ def test_pages_land_in_order_and_the_aux_slot_last(markers: bool) -> None:
         assert [w[2] for w in jobs[0].writes] == [2 * 1024] * 4
         if markers:
             # The aux slot goes by the engine beside the last chunk, and the commit marker
-            # (16 bytes into the decode's marker slot) only after every other write ended.
+            # (24 bytes into the decode's marker slot) only after every other write ended.
             assert wait_for(lambda: len(jobs) == 4 and jobs[3].copied)
             assert [len(job.writes) for job in jobs] == [4, 4, 1, 1]
-            assert jobs[3].writes[0][2] == 16
+            assert jobs[3].writes[0][2] == 24
             assert all(job.copied for job in jobs)
         else:
             # The aux slot (host memory on both sides) travels inside DONE: no engine write for it.
