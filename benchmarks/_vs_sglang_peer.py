@@ -186,7 +186,7 @@ class KvfsmEndpoint:
         self.manager = kvfsm.TransferManager("sender" if role == "prefill" else "receiver", timeouts=timeouts)
         self.manager.start_reaper()  # as docs/guides/scheduler-loop.md asks of a server
         engine = NixlBackend if settings["impl"] == "kvfsm-nixl" else MooncakeBackend
-        self.backend = engine(self.manager, RemoteConfig(host="127.0.0.1"))
+        self.backend = engine(self.manager, RemoteConfig(host="127.0.0.1", **settings.get("remote", {})))
         self.backend.register_pools(KVPools.from_tensors(pools.k, pools.v, pools.aux))
         self.address = self.backend.address
         self.chunks = settings["chunks"]

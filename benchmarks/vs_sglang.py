@@ -314,6 +314,7 @@ def run_pair(impl: str, python: str, case: Case, args: argparse.Namespace, log_d
         "impl": impl,
         "page_bytes": PAGE_BYTES,
         "poll_sleep": args.poll_sleep,
+        "remote": dict(args.remote),
         "room_timeout": args.room_timeout,
         "drain": args.drain,
         "case_timeout": args.case_timeout,
@@ -830,6 +831,25 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
     return lines
 
 
+def _remote_option(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` of --remote: a RemoteConfig field and its JSON value (a bare word is a string)."""
+    from kvfsm.backends.remote import RemoteConfig
+
+    name, sep, value = text.partition("=")
+    if not sep or name not in attrs_fields(RemoteConfig):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME a RemoteConfig field; got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def attrs_fields(cls: type) -> set[str]:
+    import attrs
+
+    return {field.name for field in attrs.fields(cls)}
+
+
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -859,6 +879,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="unmeasured requests first (default 10, or min(in flight, 16))")
     parser.add_argument("--pages-per-request", type=int, default=REQUEST_PAGES, help="64 KiB pages (default 64: 4 MiB)")
     parser.add_argument("--chunks", type=int, default=2, help="prefill send() calls per request (default 2)")
+    parser.add_argument(
+        "--remote",
+        type=_remote_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a RemoteConfig field for kvfsm's endpoints (VALUE as JSON), e.g. completion_markers=false; repeatable",
+    )
     parser.add_argument("--poll-sleep", type=float, default=1e-4, help="loop nap when a turn concluded nothing (s)")
     parser.add_argument(
         "--room-timeout", type=float, default=10.0, help="each lifecycle phase's deadline, both sides (s)"

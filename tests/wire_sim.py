@@ -240,6 +240,8 @@ class World:
     """One prefill and two decode endpoints on one simulated network and one clock."""
 
     def __init__(self, config: RemoteConfig = CONFIG, decodes: int = 2) -> None:
+        #: `settle()` lets decodes read their commit markers before it delivers frames.
+        self.markers_first = False
         self.clock = FakeClock()
         self.net = SimNet()
         self.prefill_manager = kvfsm.TransferManager("sender", timeouts=TIMEOUTS, clock=self.clock)
@@ -290,6 +292,13 @@ class World:
             for job in list(self.prefill.sim_engine.inflight):
                 job.complete()
             self.pump()
+            if self.markers_first:
+                # The commit markers those completions sent land, and the decodes read them, before DONE arrives.
+                for job in list(self.prefill.sim_engine.inflight):
+                    job.complete()
+                for decode in self.decodes:
+                    if not decode._closed:
+                        decode.housekeeping(self.clock())
             self.net.deliver_all()
             self.pump()
             after = (len(self.net.inflight), len(self.prefill.sim_engine.inflight), self.prefill.commands_queued())

@@ -161,8 +161,13 @@ class RemoteConfig:
     the prefill writes a room's commit marker into the decode's memory once
     every write landed, and the decode, which reads its claimed rooms'
     `marker_slots` every `marker_poll_interval` seconds while any is
-    claimed, succeeds without waiting for DONE (which still follows). Off,
-    or with no slot free, DONE alone completes a room.
+    claimed, succeeds without waiting for DONE (which still follows). It
+    is off by default: over TCP on loopback a Mooncake write of 24 bytes
+    took as long as DONE's trip over ZeroMQ, so the marker saved nothing
+    and its polling cost CPU (docs/performance.md). It is for transports
+    where a small write is far cheaper than a control message (RDMA). Set
+    it on both sides; a prefill writes markers only to decodes that claim
+    with one, and with it off (or no slot free) DONE alone completes a room.
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host)
@@ -182,7 +187,7 @@ class RemoteConfig:
     max_writes_in_flight: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_count("max_writes_in_flight", 1))
     )
-    completion_markers: bool = attrs.field(default=True, validator=_flag("completion_markers"))
+    completion_markers: bool = attrs.field(default=False, validator=_flag("completion_markers"))
     marker_slots: int = attrs.field(default=4096, validator=_count("marker_slots", 1, 1 << 20))
     marker_poll_interval: float = attrs.field(default=0.00005, validator=_positive("marker_poll_interval"))
 

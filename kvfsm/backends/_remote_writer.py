@@ -698,6 +698,9 @@ class Lane:
         stats = self.owner.remote_stats
         if claim.marker is None or markers is None:
             return
+        if claim.session.writes_in_flight >= self.budget:
+            stats.markers_missed += 1  # the budget holds for markers too; DONE is on its way
+            return
         source = markers.take()
         if source is None:
             stats.markers_missed += 1

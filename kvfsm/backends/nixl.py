@@ -244,7 +244,8 @@ class NixlEngine(EngineAdapter):
             return
         if notes:
             logger.debug(
-                "NIXL notifications from %s ignored (kvfsm completes rooms over its control plane)", list(notes)
+                "NIXL notifications from %s ignored (kvfsm completes rooms over its control plane, or on commit markers it writes)",
+                list(notes),
             )
 
     def close(self) -> None:

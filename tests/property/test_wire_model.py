@@ -52,7 +52,7 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 
 import kvfsm
 from kvfsm import KVPoll
-from kvfsm.backends import _remote_sender, _remote_writer, codec
+from kvfsm.backends import _markers, _remote_sender, _remote_writer, codec
 from tests.wire_sim import AUX_SLOTS, CONFIG, PAGES, SimBackend, World
 
 ROOM_IDS = (1, 2, 3)
@@ -95,10 +95,17 @@ class Request:
         return f"<Request {self.id} room={self.room} d{self.decode_index} {self.prefill.state.name}/{self.decode.state.name}>"
 
 
+def _jobs(claim: Any) -> list[Any]:
+    """A claim's engine jobs in flight: its writes, and its commit marker's write."""
+    return [*claim.jobs, *([claim.marker_job] if claim.marker_job is not None else [])]
+
+
 class WireModel(RuleBasedStateMachine):
+    config = attrs.evolve(CONFIG, max_writes_in_flight=BUDGET)
+
     def __init__(self) -> None:
         super().__init__()
-        self.world = World(attrs.evolve(CONFIG, max_writes_in_flight=BUDGET))
+        self.world = World(self.config)
         for endpoint in self.world.endpoints:
             endpoint.defer_notices = True
         self.requests: list[Request] = []
@@ -370,6 +377,11 @@ class WireModel(RuleBasedStateMachine):
         self.world.clock.advance(seconds)
         self.world.housekeeping()
 
+    @rule()
+    def look(self) -> None:
+        """The control threads' turn without time passing: a decode reads its rooms' commit markers."""
+        self.world.housekeeping()
+
     # -- forged frames ---------------------------------------------------------------------------------
 
     @rule(data=st.data(), kind=st.sampled_from(["wrong_key", "unknown_session", "wrong_gen", "unknown_room", "replay"]))
@@ -484,11 +496,11 @@ class WireModel(RuleBasedStateMachine):
         prefill = self.world.prefill
         out: dict[str, int] = {}
         for claim in prefill.active_claims():
-            out[claim.session.sid] = out.get(claim.session.sid, 0) + sum(job.writes for job in claim.jobs)
+            out[claim.session.sid] = out.get(claim.session.sid, 0) + sum(job.writes for job in _jobs(claim))
         for session in prefill.sessions:
             assert session.writes_in_flight <= BUDGET, session
             assert session.writes_in_flight == out.get(session.sid, 0), (session, out)
-        watched = {id(job.job) for claim in prefill.active_claims() for job in claim.jobs}
+        watched = {id(job.job) for claim in prefill.active_claims() for job in _jobs(claim)}
         assert all(id(job) in watched for job in prefill.sim_engine.inflight), "a write out with no claim polling it"
 
     @invariant()
@@ -550,6 +562,43 @@ class WireModel(RuleBasedStateMachine):
 TestWireModel = WireModel.TestCase
 
 
+class WireModelWithMarkers(WireModel):
+    """The same model with completion on the data plane: rooms may succeed on their commit marker."""
+
+    config = attrs.evolve(CONFIG, max_writes_in_flight=BUDGET, completion_markers=True)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world.markers_first = True
+
+    @precondition(lambda self: bool(self.world.prefill.sim_engine.inflight))
+    @rule(data=st.data(), fail=st.booleans())
+    def engine_ends_a_write(self, data: st.DataObject, fail: bool) -> None:
+        """As in the base model, and the decodes read their marker slots at once (they poll every 50 us)."""
+        super().engine_ends_a_write(data, fail)
+        self._decodes_look()
+
+    @precondition(lambda self: any(_is_marker(job) for job in self.world.prefill.sim_engine.inflight))
+    @rule(data=st.data())
+    def a_marker_lands_first(self, data: st.DataObject) -> None:
+        """A commit marker's write ends, and its decode reads it before anything else happens."""
+        markers = [job for job in self.world.prefill.sim_engine.inflight if _is_marker(job)]
+        markers[data.draw(st.integers(0, len(markers) - 1))].complete()
+        self._decodes_look()
+
+    def _decodes_look(self) -> None:
+        for decode in self.world.decodes:
+            if not decode._closed:
+                decode.housekeeping(self.world.clock())
+
+
+def _is_marker(job: Any) -> bool:
+    return len(job.writes) == 1 and job.writes[0][2] == _markers.MARKER_BYTES
+
+
+TestWireModelWithMarkers = WireModelWithMarkers.TestCase
+
+
 # -- the model catches the defects it exists for ---------------------------------------------------
 
 
@@ -576,9 +625,9 @@ _HUNT = settings(
 )
 
 
-def _model_fails() -> str:
+def _model_fails(model: type[WireModel] = WireModel) -> str:
     with pytest.raises(AssertionError) as caught:
-        run_state_machine_as_test(WireModel, settings=_HUNT)  # type: ignore[no-untyped-call, unused-ignore]
+        run_state_machine_as_test(model, settings=_HUNT)  # type: ignore[no-untyped-call, unused-ignore]
     return str(caught.value)
 
 
@@ -623,3 +672,17 @@ def test_the_model_catches_done_after_a_failed_write() -> None:
         patched(_remote_writer.Lane, "_complete", complete_unchecked),
     ):
         _model_fails()
+
+
+def test_the_model_catches_a_commit_marker_written_before_every_write_landed() -> None:
+    """Rule 14 on the data plane: a writer that writes the marker with the last chunk's writes, not after them."""
+    original = _remote_writer.Lane._submit_slice
+
+    def marker_with_the_writes(self: _remote_writer.Lane, claim: Any, most: int) -> int:
+        sent = original(self, claim, most)
+        if sent and claim.marker is not None and claim.marker_job is None and claim.chunks and claim.chunks[-1].last:
+            self._write_marker(claim, 0, 1)
+        return sent
+
+    with patched(_remote_writer.Lane, "_submit_slice", marker_with_the_writes):
+        _model_fails(WireModelWithMarkers)

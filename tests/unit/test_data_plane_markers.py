@@ -1,0 +1,192 @@
+"""Completion on the data plane (`kvfsm.backends._markers`), over the simulated engine, as an attacker tries it.
+
+A room with a commit marker succeeds on the decode only when the token the
+decode minted is in the room's marker slot, and the prefill writes it only
+after every other write of the room landed (the model, test_wire_model.py,
+checks that ordering under any interleaving). Here, each promise and the
+story that tries hardest to break it: a marker that lands before DONE
+completes the room, and the late DONE and CHUNK are expected, not stale;
+a forged or stale token in the slot completes nothing; a claim naming a
+slot the decode does not have is refused, not written to; a HELLO naming a
+malformed marker region is refused; a ROOM whose marker field is malformed
+is dropped by the codec; the writes land before the marker (aux slot
+included); with no source slot free the room still completes by DONE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import pytest
+
+pytest.importorskip("torch", reason="torch is needed for the KV pools")
+
+import torch
+
+import kvfsm
+from kvfsm import FailureKind, KVPoll
+from kvfsm.backends import _markers, codec
+from tests.wire_sim import CONFIG, World
+
+MARKED = attrs.evolve(CONFIG, completion_markers=True)
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    world = World(MARKED, decodes=1)
+    for tensor in (world.prefill_pools.k, world.prefill_pools.v):
+        tensor.copy_(torch.arange(tensor.numel(), dtype=torch.float32).reshape(tensor.shape) + 1)
+    world.prefill_pools.aux.fill_(7)
+    yield world
+    for endpoint in world.endpoints:
+        endpoint.close()
+
+
+def _room(world: World, room: int, pages: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
+    prefill = world.prefill_manager.open(room)
+    decode = world.decode_managers[0].open(room)
+    world.prefill.bootstrap(prefill, "sim://prefill")
+    world.decodes[0].bootstrap(decode, "sim://prefill")
+    world.settle()
+    world.decodes[0].expect(decode, pages, aux_index=room % 4)
+    world.settle()
+    return prefill, decode
+
+
+def _write_all_but_deliver_nothing(world: World) -> None:
+    """Every engine write lands (the marker too), the lanes move, and no frame crosses the network."""
+    for _ in range(4):
+        world.pump()
+        for job in list(world.prefill.sim_engine.inflight):
+            job.complete()
+
+
+def _state(handle: kvfsm.TransferHandle) -> KVPoll:
+    """The handle's state now (a call, so a type checker does not carry an earlier comparison over)."""
+    return handle.state
+
+
+def _look(world: World) -> None:
+    world.decodes[0].housekeeping(world.clock())
+
+
+def _record(world: World, decode: kvfsm.TransferHandle) -> object:
+    return world.decodes[0].decode._recv_by_handle[(decode.room, decode.generation)]
+
+
+def test_a_marker_that_lands_before_done_completes_the_room_and_the_late_frames_are_not_stale(world: World) -> None:
+    prefill, decode = _room(world, 1, [0, 1])
+    world.prefill.send(prefill, [0], last=False)
+    world.prefill.send(prefill, [1], last=True, aux_index=1)
+    _write_all_but_deliver_nothing(world)
+    assert prefill.state is KVPoll.Success
+    assert decode.state is KVPoll.WaitingForInput  # no frame has come: CHUNK and DONE are still on the wire
+    _look(world)
+    assert _state(decode) is KVPoll.Success
+    pools, source = world.decode_pools[0], world.prefill_pools
+    assert torch.equal(pools.k[[0, 1]], source.k[[0, 1]]) and torch.equal(pools.v[[0, 1]], source.v[[0, 1]])
+    assert torch.equal(pools.aux[1], source.aux[1])  # the engine wrote the aux slot before the marker
+    # The marker carried the room's counts: both chunks and every byte are counted on the decode.
+    assert decode.nbytes == prefill.nbytes and decode.chunks == prefill.chunks == 2
+    stats = world.decodes[0].remote_stats
+    assert stats.marker_completions == 1
+    world.net.deliver_all()
+    assert stats.stale_messages == 0  # CHUNK and DONE after the marker are its expected echoes
+    assert _state(decode) is KVPoll.Success and decode.nbytes == prefill.nbytes
+    assert world.prefill.remote_stats.markers_written == 1
+
+
+def test_a_forged_or_stale_token_in_the_slot_completes_nothing(world: World) -> None:
+    prefill, decode = _room(world, 2, [2])
+    rec = _record(world, decode)
+    slot, token = rec.marker  # type: ignore[attr-defined]
+    markers = world.decodes[0].decode.markers
+    assert markers is not None
+    for forged in (token ^ 1, token + 1, 1, (1 << 63) - 1):
+        if forged != token:
+            markers.write(slot, forged, 0, 1)
+            _look(world)
+            assert decode.state is KVPoll.WaitingForInput, forged
+    # The prefill has sent nothing: even the right token cannot be there yet, and no write is out.
+    assert not world.prefill.sim_engine.inflight
+    world.prefill.send(prefill, [2], last=True, aux_index=2)
+    _write_all_but_deliver_nothing(world)
+    _look(world)
+    assert decode.state is KVPoll.Success
+
+
+def test_a_claim_naming_a_slot_the_decode_does_not_have_is_refused_not_written(world: World) -> None:
+    markers = world.decodes[0].decode.markers
+    assert markers is not None
+    markers.take = lambda: markers.slots + 5  # type: ignore[method-assign]  # a decode lying about its slot
+    prefill, decode = _room(world, 3, [3])
+    world.settle()
+    assert decode.state is KVPoll.Failed and decode.reason is not None
+    assert decode.reason.kind is FailureKind.BOOTSTRAP_ERROR
+    assert f"commit-marker slot {markers.slots + 5} is out of range" in decode.reason.message
+    assert world.prefill.sim_engine.submitted == []
+    assert prefill.state is not KVPoll.Success
+
+
+def test_a_hello_naming_a_malformed_marker_region_is_refused(world: World) -> None:
+    original = world.decodes[0].decode._session_fields
+
+    def bad_fields() -> tuple[dict[str, object], bytes | None]:
+        fields, blob = original()
+        return {**fields, "markers": [fields["markers"][0], 0]}, blob
+
+    world.decodes[0].decode._session_fields = bad_fields  # type: ignore[method-assign]
+    decode = world.decode_managers[0].open(4)
+    world.decodes[0].bootstrap(decode, "sim://prefill")
+    world.settle()
+    assert decode.state is KVPoll.Failed and decode.reason is not None
+    assert "session.markers must be [ptr, slots]" in decode.reason.message
+
+
+@pytest.mark.parametrize("marker", [[1], [0, 0], [-1, 5], [0, 1 << 63], ["0", 5], [0, 5, 6], 7, True])
+def test_a_room_with_a_malformed_marker_field_is_dropped_by_the_codec(marker: object) -> None:
+    fields = {"sid": "s", "key": "k", "room": 1, "gen": 1, "pages": [0], "aux": None, "marker": marker}
+    with pytest.raises(codec.MalformedFrame, match="marker"):
+        codec.decode(codec.encode("ROOM", fields, check=False))
+
+
+def test_with_no_source_slot_free_the_room_completes_by_done(world: World) -> None:
+    markers = world.prefill.prefill.markers
+    assert markers is not None
+    taken = [markers.take() for _ in range(markers.slots)]
+    assert markers.take() is None and None not in taken
+    prefill, decode = _room(world, 5, [4])
+    world.prefill.send(prefill, [4], last=True, aux_index=1)
+    _write_all_but_deliver_nothing(world)
+    _look(world)
+    assert decode.state is KVPoll.WaitingForInput  # no marker was written
+    world.settle()
+    assert (prefill.state, decode.state) == (KVPoll.Success, KVPoll.Success)
+    assert world.prefill.remote_stats.markers_missed == 1
+    assert world.decodes[0].remote_stats.marker_completions == 0
+
+
+def test_slots_are_reused_safely_a_late_marker_of_an_earlier_room_proves_nothing(world: World) -> None:
+    markers = world.decodes[0].decode.markers
+    assert markers is not None
+    prefill, decode = _room(world, 6, [5])
+    slot, old_token = _record(world, decode).marker  # type: ignore[attr-defined]
+    world.prefill.send(prefill, [5], last=True, aux_index=1)
+    world.settle()
+    world.decode_managers[0].close(6)
+    world.prefill_manager.close(6)
+    world.settle()
+    prefill, decode = _room(world, 7, [6])
+    assert _record(world, decode).marker[0] == slot  # type: ignore[attr-defined]  # the freed slot, taken again
+    markers.write(slot, old_token, 0, 1)  # the earlier room's marker, landing late
+    _look(world)
+    assert decode.state is KVPoll.WaitingForInput
+
+
+def test_markers_from_fields_takes_a_region_or_nothing() -> None:
+    assert _markers.markers_from_fields(None) is None
+    assert _markers.markers_from_fields([4096, 8]) == (4096, 8)
+    for bad in ([0, 8], [4096, 0], [4096], "4096,8", [4096, 1 << 21], [4096.0, 8]):
+        with pytest.raises(TypeError, match=r"session\.markers"):
+            _markers.markers_from_fields(bad)
