@@ -100,8 +100,16 @@ def free_port() -> int:
 class PeerProcess(PipeChild):
     """A child process running one endpoint; methods are remote calls."""
 
-    def __init__(self, engine: str, role: str, heartbeat: float = 0.1, misses: int = 3, drain: float = 5.0) -> None:
-        super().__init__(_child_main, (engine, role, heartbeat, misses, drain), f"{role} peer")
+    def __init__(
+        self,
+        engine: str,
+        role: str,
+        heartbeat: float = 0.1,
+        misses: int = 3,
+        drain: float = 5.0,
+        markers: bool = False,
+    ) -> None:
+        super().__init__(_child_main, (engine, role, heartbeat, misses, drain, markers), f"{role} peer")
         self._address: str | None = None
 
     @property
@@ -123,15 +131,17 @@ class PeerProcess(PipeChild):
 # -- the child ---------------------------------------------------------------------------
 
 
-def _child_main(conn: Connection, engine: str, role: str, heartbeat: float, misses: int, drain: float) -> None:
+def _child_main(
+    conn: Connection, engine: str, role: str, heartbeat: float, misses: int, drain: float, markers: bool
+) -> None:
     logging.basicConfig(level=logging.ERROR, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
-    endpoint = build_or_exit(conn, lambda: _Endpoint(engine, role, heartbeat, misses, drain))
+    endpoint = build_or_exit(conn, lambda: _Endpoint(engine, role, heartbeat, misses, drain, markers))
     serve(conn, endpoint)
     exit_child(endpoint.backend.close)
 
 
 class _Endpoint:
-    def __init__(self, engine: str, role: str, heartbeat: float, misses: int, drain: float) -> None:
+    def __init__(self, engine: str, role: str, heartbeat: float, misses: int, drain: float, markers: bool) -> None:
         import torch
 
         import kvfsm
@@ -148,7 +158,7 @@ class _Endpoint:
         self.k = torch.randn(LAYERS, PAGES, PAGE_FLOATS, generator=generator)
         self.v = torch.randn(LAYERS, PAGES, PAGE_FLOATS, generator=generator)
         self.aux = torch.randint(0, 255, (AUX_SLOTS, AUX_BYTES), dtype=torch.uint8, generator=generator)
-        config = RemoteConfig(heartbeat_interval=heartbeat, heartbeat_misses=misses)
+        config = RemoteConfig(heartbeat_interval=heartbeat, heartbeat_misses=misses, completion_markers=markers)
         backend_class = get_backend(engine)
         assert issubclass(backend_class, RemoteBackend)
         self.backend: RemoteBackend = backend_class(self.manager, config)
@@ -258,6 +268,8 @@ class _Endpoint:
             "dropped": control.dropped,
             "stale_messages": remote.stale_messages,
             "jobs_submitted": remote.jobs_submitted,
+            "marker_completions": remote.marker_completions,
+            "markers_written": remote.markers_written,
             "peers_lost": remote.peers_lost,
             "late_events": self.manager.stats.late_events,
             "control_running": self.backend.control.running,

@@ -34,10 +34,13 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 from kvfsm.backends import control
 
 
-@pytest.fixture(params=ENGINES)
+# Mooncake once more with completion on the data plane (commit markers; NIXL without its
+# progress thread takes none): every attack below also runs against that path.
+@pytest.fixture(params=[*ENGINES, "mooncake+markers"])
 def fresh(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    _skip_if_missing(request.param)
-    pair = Pair(request.param)
+    engine, _, markers = str(request.param).partition("+")
+    _skip_if_missing(engine)
+    pair = Pair(engine, markers=bool(markers))
     yield pair
     pair.stop()
 
@@ -55,7 +58,7 @@ def test_a_late_claim_never_binds_to_a_reused_room_id(fresh: Pair) -> None:
     """Defect 1: A's prefill room ends unclaimed, the id is reused for B, then A's decode claims it."""
     room = next(_rooms)
     prefill, late_decode = fresh.prefill, fresh.decode
-    other_decode = PeerProcess(fresh.engine, "receiver")
+    other_decode = PeerProcess(fresh.engine, "receiver", markers=fresh.markers)
     try:
         prefill.open(room)  # request A
         prefill.bootstrap(room, prefill.address)
@@ -182,7 +185,7 @@ def test_reply_addresses_cannot_exhaust_the_prefills_sockets(fresh: Pair) -> Non
     held = RemoteConfig().max_half_open + control._LINGERING
     assert after["channels"] <= before["channels"] + held, (before, after)
     assert after["fds"] <= before["fds"] + 3 * held + 8, (before, after)
-    newcomer = PeerProcess(fresh.engine, "receiver")
+    newcomer = PeerProcess(fresh.engine, "receiver", markers=fresh.markers)
     try:
         room = next(_rooms)
         fresh.prefill.open(room)
