@@ -536,7 +536,7 @@ def naps() -> tuple[float, float]:
 def codec(count: int) -> tuple[float, float]:
     from kvfsm.backends import codec as frames
 
-    fields = {"sid": "a" * 32, "key": "b" * 32, "room": 5, "gen": 123456789, "pages": [3], "aux": 1}
+    fields = {"sid": "a" * 32, "key": "b" * 32, "room": 5, "gen": 123456789, "pages": [3], "aux": 1, "marker": None}
 
     def encode() -> None:
         frames.encode("ROOM", fields, check=False)

@@ -101,7 +101,15 @@ def test_large_frames_from_no_session_never_take_a_live_session_down() -> None:
             _connect(prefill, decode, room, [index])
         before = prefill.stats()
         pages = list(range(10**6, 10**6 + 720_000))  # 8 digits and a comma each: about 5.8 MiB of JSON
-        fields = {"sid": "0" * 16, "key": "f" * 32, "room": rooms[0], "gen": 1, "pages": pages, "aux": None}
+        fields = {
+            "sid": "0" * 16,
+            "key": "f" * 32,
+            "room": rooms[0],
+            "gen": 1,
+            "pages": pages,
+            "aux": None,
+            "marker": None,
+        }
         frames = codec.encode("ROOM", fields, check=False)
         assert 5 << 20 < len(frames[-1]) <= wire.MAX_HEADER_BYTES
         for _ in range(8):

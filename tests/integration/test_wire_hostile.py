@@ -139,7 +139,7 @@ def test_forged_frames_never_fail_a_room(fresh: Pair) -> None:
             ("HEARTBEAT", {}),
             ("BYE", {}),
             ("ABORT", abort),
-            ("ROOM", {"room": room, "gen": gen, "pages": [9], "aux": None}),
+            ("ROOM", {"room": room, "gen": gen, "pages": [9], "aux": None, "marker": None}),
         ],
         fresh.decode.address: [
             ("HEARTBEAT", {}),
@@ -240,7 +240,15 @@ def test_huge_frames_are_refused_before_they_are_read(fresh: Pair) -> None:
         fresh.connect(room, [room % 8], aux=None)
     before = fresh.prefill.stats()
     gen = fresh.decode.decode_generation(rooms[0])
-    header = {"type": "ROOM", "sid": "0" * 16, "key": "f" * 32, "room": rooms[0], "gen": gen, "aux": None}
+    header = {
+        "type": "ROOM",
+        "sid": "0" * 16,
+        "key": "f" * 32,
+        "room": rooms[0],
+        "gen": gen,
+        "aux": None,
+        "marker": None,
+    }
     pages = json.dumps([1] * (24 << 20)).encode()  # 48 MiB of "1, "
     frame = json.dumps(header).encode()[:-1] + b', "pages": ' + pages + b"}"
     fresh.decode.send_raw(fresh.prefill.address, [wire.MAGIC, frame], 5)

@@ -269,7 +269,15 @@ def test_a_frame_naming_no_session_is_dropped_before_its_header_is_parsed(
         return real(text)
 
     monkeypatch.setattr(decoder, "decode", counting)
-    forged = {"sid": "0" * 16, "key": "f" * 32, "room": 4, "gen": 1, "pages": list(range(400_000)), "aux": None}
+    forged = {
+        "sid": "0" * 16,
+        "key": "f" * 32,
+        "room": 4,
+        "gen": 1,
+        "pages": list(range(400_000)),
+        "aux": None,
+        "marker": None,
+    }
     frames = codec.encode("ROOM", forged, check=False)
     assert sum(len(f) for f in frames) > 2 << 20
     for _ in range(16):
