@@ -258,6 +258,17 @@ class World:
         for backend, pools in zip(self.decodes, self.decode_pools, strict=True):
             backend.register_pools(pools.kv_pools())
 
+    def open_pair(self, room: int, pages: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
+        """A bootstrapped room of the first decode that expects `pages` (aux slot `room % AUX_SLOTS`)."""
+        prefill = self.prefill_manager.open(room)
+        decode = self.decode_managers[0].open(room)
+        self.prefill.bootstrap(prefill, "sim://prefill")
+        self.decodes[0].bootstrap(decode, "sim://prefill")
+        self.settle()
+        self.decodes[0].expect(decode, pages, aux_index=room % AUX_SLOTS)
+        self.settle()
+        return prefill, decode
+
     @property
     def endpoints(self) -> list[SimBackend]:
         return [self.prefill, *self.decodes]

@@ -54,18 +54,6 @@ def world() -> Iterator[World]:
         endpoint.close()
 
 
-def _room(world: World, room: int, pages: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
-    """A bootstrapped pair whose decode expects `pages` (the prefill sends the same page numbers)."""
-    prefill = world.prefill_manager.open(room)
-    decode = world.decode_managers[0].open(room)
-    world.prefill.bootstrap(prefill, "sim://prefill")
-    world.decodes[0].bootstrap(decode, "sim://prefill")
-    world.settle()
-    world.decodes[0].expect(decode, pages, aux_index=room % 4)
-    world.settle()
-    return prefill, decode
-
-
 def _state(handle: kvfsm.TransferHandle) -> KVPoll:
     """The handle's state now (a call, so a type checker does not carry an earlier comparison over)."""
     return handle.state
@@ -114,8 +102,8 @@ def _each_written_once(world: World) -> collections.Counter[int]:
 
 
 def test_the_budget_of_writes_in_flight_holds_however_much_is_queued(world: World) -> None:
-    a_prefill, a_decode = _room(world, 1, A_PAGES)
-    b_prefill, b_decode = _room(world, 2, B_PAGES)
+    a_prefill, a_decode = world.open_pair(1, A_PAGES)
+    b_prefill, b_decode = world.open_pair(2, B_PAGES)
     for prefill, pages in ((a_prefill, A_PAGES), (b_prefill, B_PAGES)):
         world.prefill.send(prefill, pages[:2], last=False)
         world.prefill.send(prefill, pages[2:], last=True, aux_index=int(prefill.room))
@@ -130,8 +118,8 @@ def test_the_budget_of_writes_in_flight_holds_however_much_is_queued(world: Worl
 
 def test_two_rooms_share_the_budget_instead_of_one_waiting_for_the_other() -> None:
     world = _world(budget=2)
-    a_prefill, _ = _room(world, 1, A_PAGES)
-    b_prefill, _ = _room(world, 2, B_PAGES)
+    a_prefill, _ = world.open_pair(1, A_PAGES)
+    b_prefill, _ = world.open_pair(2, B_PAGES)
     world.prefill.send(a_prefill, A_PAGES, last=True, aux_index=1)
     world.prefill.send(b_prefill, B_PAGES, last=True, aux_index=2)
     engine = world.prefill.sim_engine
@@ -150,7 +138,7 @@ def test_two_rooms_share_the_budget_instead_of_one_waiting_for_the_other() -> No
 
 
 def test_a_busy_engine_is_retried_and_no_write_goes_out_twice(world: World) -> None:
-    prefill, decode = _room(world, 1, A_PAGES)
+    prefill, decode = world.open_pair(1, A_PAGES)
     engine = world.prefill.sim_engine
     engine.refuse = 3
     world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
@@ -164,7 +152,7 @@ def test_a_busy_engine_is_retried_and_no_write_goes_out_twice(world: World) -> N
 
 
 def test_writes_a_busy_engine_took_part_of_are_neither_lost_nor_repeated(world: World) -> None:
-    prefill, decode = _room(world, 1, A_PAGES)
+    prefill, decode = world.open_pair(1, A_PAGES)
     world.prefill.sim_engine.take_part = 1  # of a slice of 3, one goes out, then "busy"
     world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     _drive(world, budget=3)
@@ -175,7 +163,7 @@ def test_writes_a_busy_engine_took_part_of_are_neither_lost_nor_repeated(world: 
 
 def test_an_engine_busy_for_too_long_fails_the_room_and_says_so(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_remote_writer, "_BUSY_GIVE_UP", 0.0)
-    prefill, decode = _room(world, 1, A_PAGES)
+    prefill, decode = world.open_pair(1, A_PAGES)
     world.prefill.sim_engine.refuse = 10**9
     world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     for _ in range(50):
@@ -191,7 +179,7 @@ def test_an_engine_busy_for_too_long_fails_the_room_and_says_so(world: World, mo
 
 
 def test_a_real_engine_error_fails_the_room_at_once(world: World) -> None:
-    prefill, decode = _room(world, 1, A_PAGES)
+    prefill, decode = world.open_pair(1, A_PAGES)
     world.prefill.sim_engine.broken = "the NIC went away"
     world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     world.pump()
@@ -204,7 +192,7 @@ def test_a_real_engine_error_fails_the_room_at_once(world: World) -> None:
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_a_stopped_room_drops_its_queued_writes_and_waits_for_those_out(world: World, side: str) -> None:
-    prefill, decode = _room(world, 1, A_PAGES)
+    prefill, decode = world.open_pair(1, A_PAGES)
     engine = world.prefill.sim_engine
     world.prefill.send(prefill, A_PAGES, last=True, aux_index=1)
     world.pump()

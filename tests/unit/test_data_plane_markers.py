@@ -43,17 +43,6 @@ def world() -> Iterator[World]:
         endpoint.close()
 
 
-def _room(world: World, room: int, pages: list[int]) -> tuple[kvfsm.TransferHandle, kvfsm.TransferHandle]:
-    prefill = world.prefill_manager.open(room)
-    decode = world.decode_managers[0].open(room)
-    world.prefill.bootstrap(prefill, "sim://prefill")
-    world.decodes[0].bootstrap(decode, "sim://prefill")
-    world.settle()
-    world.decodes[0].expect(decode, pages, aux_index=room % 4)
-    world.settle()
-    return prefill, decode
-
-
 def _write_all_but_deliver_nothing(world: World) -> None:
     """Every engine write lands (the marker too), the lanes move, and no frame crosses the network."""
     for _ in range(4):
@@ -76,7 +65,7 @@ def _record(world: World, decode: kvfsm.TransferHandle) -> object:
 
 
 def test_a_marker_that_lands_before_done_completes_the_room_and_the_late_frames_are_not_stale(world: World) -> None:
-    prefill, decode = _room(world, 1, [0, 1])
+    prefill, decode = world.open_pair(1, [0, 1])
     world.prefill.send(prefill, [0], last=False)
     world.prefill.send(prefill, [1], last=True, aux_index=1)
     _write_all_but_deliver_nothing(world)
@@ -98,7 +87,7 @@ def test_a_marker_that_lands_before_done_completes_the_room_and_the_late_frames_
 
 
 def test_a_forged_or_stale_token_in_the_slot_completes_nothing(world: World) -> None:
-    prefill, decode = _room(world, 2, [2])
+    prefill, decode = world.open_pair(2, [2])
     rec = _record(world, decode)
     slot, token = rec.marker  # type: ignore[attr-defined]
     markers = world.decodes[0].decode.markers
@@ -120,7 +109,7 @@ def test_a_claim_naming_a_slot_the_decode_does_not_have_is_refused_not_written(w
     markers = world.decodes[0].decode.markers
     assert markers is not None
     markers.take = lambda: markers.slots + 5  # type: ignore[method-assign]  # a decode lying about its slot
-    prefill, decode = _room(world, 3, [3])
+    prefill, decode = world.open_pair(3, [3])
     world.settle()
     assert decode.state is KVPoll.Failed and decode.reason is not None
     assert decode.reason.kind is FailureKind.BOOTSTRAP_ERROR
@@ -156,7 +145,7 @@ def test_with_no_source_slot_free_the_room_completes_by_done(world: World) -> No
     assert markers is not None
     taken = [markers.take() for _ in range(markers.slots)]
     assert markers.take() is None and None not in taken
-    prefill, decode = _room(world, 5, [4])
+    prefill, decode = world.open_pair(5, [4])
     world.prefill.send(prefill, [4], last=True, aux_index=1)
     _write_all_but_deliver_nothing(world)
     _look(world)
@@ -170,14 +159,14 @@ def test_with_no_source_slot_free_the_room_completes_by_done(world: World) -> No
 def test_slots_are_reused_safely_a_late_marker_of_an_earlier_room_proves_nothing(world: World) -> None:
     markers = world.decodes[0].decode.markers
     assert markers is not None
-    prefill, decode = _room(world, 6, [5])
+    prefill, decode = world.open_pair(6, [5])
     slot, old_token = _record(world, decode).marker  # type: ignore[attr-defined]
     world.prefill.send(prefill, [5], last=True, aux_index=1)
     world.settle()
     world.decode_managers[0].close(6)
     world.prefill_manager.close(6)
     world.settle()
-    prefill, decode = _room(world, 7, [6])
+    prefill, decode = world.open_pair(7, [6])
     assert _record(world, decode).marker[0] == slot  # type: ignore[attr-defined]  # the freed slot, taken again
     markers.write(slot, old_token, 0, 1)  # the earlier room's marker, landing late
     _look(world)
