@@ -55,7 +55,12 @@ Rule 14, in the order the code keeps it:
 * the last chunk completes only after every KV write landed (and the aux
   slot, when the engine writes it): the lane reads the aux bytes, then
   fires `transfer_done`, and only if that applied, so no failure won the
-  race, does the claim step to DONE and send DONE (with the aux bytes).
+  race, does the claim step to DONE and send DONE (with the aux bytes);
+* with completion on the data plane (`_markers`) the commit marker is
+  written at that same point, just before DONE, and nowhere else; the aux
+  slot then goes by the engine beside the last chunk's writes, and the
+  marker's write counts against the budget and keeps the claim polled
+  until it ends (a marker that cannot go out leaves the room to DONE).
 """
 
 from __future__ import annotations
