@@ -674,15 +674,14 @@ def test_the_model_catches_done_after_a_failed_write() -> None:
         _model_fails()
 
 
-def test_the_model_catches_a_commit_marker_written_before_every_write_landed() -> None:
-    """Rule 14 on the data plane: a writer that writes the marker with the last chunk's writes, not after them."""
-    original = _remote_writer.Lane._submit_slice
+def test_the_model_catches_a_commit_marker_written_after_a_failed_write() -> None:
+    """Rule 14 on the data plane: a writer that still writes the room's marker when one of its writes failed."""
+    original = _remote_writer.Lane._write_failed
 
-    def marker_with_the_writes(self: _remote_writer.Lane, claim: Any, most: int) -> int:
-        sent = original(self, claim, most)
-        if sent and claim.marker is not None and claim.marker_job is None and claim.chunks and claim.chunks[-1].last:
+    def marker_anyway(self: _remote_writer.Lane, claim: Any, message: str) -> None:
+        if claim.marker is not None and claim.marker_job is None:
             self._write_marker(claim, 0, 1)
-        return sent
+        original(self, claim, message)
 
-    with patched(_remote_writer.Lane, "_submit_slice", marker_with_the_writes):
+    with patched(_remote_writer.Lane, "_write_failed", marker_anyway):
         _model_fails(WireModelWithMarkers)
