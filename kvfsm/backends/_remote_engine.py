@@ -41,17 +41,13 @@ def page_writes(
     mine: Sequence[MemoryRegion], theirs: Sequence[MemoryRegion], runs: Iterable[tuple[int, int, int]]
 ) -> list[Write]:
     """The writes of page runs (src_start, dst_start, count): one per run and region pair, runs outermost."""
-    writes: list[Write] = []
-    for src, dst, count in runs:
-        for source, destination in zip(mine, theirs, strict=True):
-            writes.append(
-                (
-                    source.ptr + src * source.page_nbytes,
-                    destination.ptr + dst * destination.page_nbytes,
-                    count * source.page_nbytes,
-                )
-            )
-    return writes
+    # Every 4 MiB room makes hundreds of these: the regions' fields are read once, not per write.
+    regions = [(s.ptr, s.page_nbytes, d.ptr, d.page_nbytes) for s, d in zip(mine, theirs, strict=True)]
+    return [
+        (s_ptr + src * s_page, d_ptr + dst * d_page, count * s_page)
+        for src, dst, count in runs
+        for s_ptr, s_page, d_ptr, d_page in regions
+    ]
 
 
 class EngineJob(abc.ABC):

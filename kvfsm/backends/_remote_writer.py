@@ -66,7 +66,6 @@ Rule 14, in the order the code keeps it:
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import functools
 import itertools
@@ -75,7 +74,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._manager import TransferHandle
@@ -265,6 +264,25 @@ class Claim:
         return f"<Claim room={self.room!r} gen={self.gen} {self.wire} jobs={len(self.jobs)}>"
 
 
+class _EngineCall:
+    """What `Lane._calling` returns: leaving it ends the noted engine call (one per lane, reused).
+
+    A class, not a generator context manager: a turn makes an engine call per
+    job it polls, and this costs a fraction of what `contextlib` does.
+    """
+
+    __slots__ = ("lane",)
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lane.call_since = None
+
+
 class Lane:
     """The writer of one decode session on a prefill, and every engine call about that decode."""
 
@@ -292,6 +310,7 @@ class Lane:
         self.call_since: float | None = None
         self.call_what = ""
         self.thread: threading.Thread | None = None
+        self._engine_call = _EngineCall(self)
         self.commands.put(("open", hello))
 
     def __repr__(self) -> str:
@@ -338,15 +357,11 @@ class Lane:
         """Whether a claim has writes in flight, waiting or to complete (else the lane waits for a command)."""
         return bool(self.active or self.queued)
 
-    @contextlib.contextmanager
-    def _calling(self, what: str) -> Iterator[None]:
-        """Note an engine call for the watchdog (`stuck_for`) while it runs."""
+    def _calling(self, what: str) -> _EngineCall:
+        """Note an engine call for the watchdog (`stuck_for`) while it runs: `with self._calling(what):`."""
         self.call_what = what
         self.call_since = self.owner._clock_now()
-        try:
-            yield
-        finally:
-            self.call_since = None
+        return self._engine_call
 
     # -- one turn ---------------------------------------------------------------------------------
 
@@ -631,7 +646,13 @@ class Lane:
                 chunk.todo = deque(self.owner._kv_writes(self, chunk.src, chunk.dst))
                 if not chunk.todo:
                     continue
-            writes = [chunk.todo.popleft() for _ in range(min(most, len(chunk.todo)))]
+            todo = chunk.todo
+            if len(todo) <= most:
+                writes = list(todo)
+                todo.clear()
+            else:
+                take = todo.popleft
+                writes = [take() for _ in range(most)]
             self.slice_chunk = chunk
             submitted = self._submit(claim, writes)
             if submitted is None:

@@ -207,6 +207,17 @@ def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -
     assert not any(_alive(p) for p in pids), "the benchmark returned with its children alive"
 
 
+def test_no_check_says_so_and_claims_no_checked_bytes(tmp_path: Path) -> None:
+    """`--no-check` (the raw rows' conditions): requests still succeed, but no byte is reported checked."""
+    done, data = _bench(tmp_path, "--no-check", "--no-raw", "--cases", "2", *SMALL, "--requests", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = data["results"]
+    assert (row["impl"], row["ok"], row["requests"], row["bad"]) == ("kvfsm", 4, 4, 0), row
+    assert row["bytes_checked"] == 0
+    assert data["settings"]["no_check"] is True
+    assert "bytes NOT checked (--no-check)" in done.stdout and "every byte checked" not in done.stdout
+
+
 def test_nixl_runs_in_the_same_loop_with_its_own_rows_and_goals(tmp_path: Path) -> None:
     if importlib.util.find_spec("nixl") is None:  # not imported here: the benchmark's children import it
         pytest.skip("NIXL is needed for --nixl (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
