@@ -396,7 +396,41 @@ def _scattered_writes(rng: random.Random, pages: int, pool_pages: int, region: i
     return writes
 
 
-def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: int | None = None) -> dict[str, float]:
+#: Longest a two-process raw stream's receiver waits for its writer (seconds).
+RAW_STREAM_LIMIT = 600.0
+
+
+def _scheduler_loop(stop: Any, nap: float) -> None:
+    """What a scheduler's loop costs its process when nothing concludes: a glance at a few requests, a nap."""
+    requests = {room: 0 for room in range(16)}
+    while not stop.is_set():
+        sum(requests[room] for room in requests)
+        time.sleep(nap)
+
+
+def _stream_receiver(size: int, nap: float, ready: Any, stop: Any) -> None:
+    """The receiving Mooncake engine in a process of its own, beside a scheduler loop (`raw_stream`'s `beside_loop`)."""
+    import torch
+    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    dst = torch.zeros(size, dtype=torch.uint8)
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    engine.register_memory(dst.data_ptr(), size)
+    threading.Thread(target=_scheduler_loop, args=(stop, nap), daemon=True).start()
+    ready.put((f"127.0.0.1:{engine.get_rpc_port()}", dst.data_ptr()))
+    stop.wait(RAW_STREAM_LIMIT)
+
+
+def raw_stream(
+    engine: str,
+    inflight: int,
+    requests: int,
+    pages: int,
+    budget: int | None = None,
+    beside_loop: float | None = None,
+) -> dict[str, float]:
     """The raw engine's throughput for 4 MiB-style requests with the same writes in flight as kvfsm's.
 
     `requests` requests of `pages` scattered pages (the writes kvfsm makes
@@ -405,6 +439,13 @@ def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: in
     default: 512 for Mooncake, 1024 for NIXL) and 64 writes per submit (a
     claim's slice per turn; Mooncake submits them one by one). Two engines
     in one process; the bytes are not checked. Returns GB/s and seconds.
+
+    With `beside_loop` (Mooncake only) the receiving engine runs in a process
+    of its own, and each process also runs a thread that does what a
+    scheduler's loop does when nothing concluded: glance at its requests and
+    nap `beside_loop` seconds (`vs_sglang.py`'s loop, 100 us). kvfsm's and
+    SGLang's rows run beside such a loop in both processes; the bare rows
+    do not, and on a small machine that alone moves the engine's figure.
     """
     import torch
 
@@ -412,13 +453,18 @@ def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: in
     pool_pages = max(2 * pages, 256)
     size = pool_pages * region * REGIONS
     src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.zeros(size, dtype=torch.uint8)
     rng = random.Random(23)
     todo = [_scattered_writes(rng, pages, pool_pages, region) for _ in range(requests)]
     from kvfsm.backends._naps import precise_naps
 
     precise_naps()  # this thread's naps as short as the writer's
-    submit, poll, close = _stream_engine(engine, src, dst)
+    if beside_loop is None:
+        dst = torch.zeros(size, dtype=torch.uint8)
+        submit, poll, close = _stream_engine(engine, src, dst)
+    else:
+        if engine != "mooncake":
+            raise ValueError(f"a raw stream beside a scheduler loop runs on Mooncake only; got {engine!r}")
+        submit, poll, close = _stream_to_a_process(src, size, beside_loop)
     budget = budget or (512 if engine == "mooncake" else 1024)
     waiting: list[list[tuple[int, int, int]]] = []  # per request in flight: writes not yet submitted
     jobs: list[tuple[Any, int]] = []  # (job, writes) in submission order
@@ -450,6 +496,56 @@ def raw_stream(engine: str, inflight: int, requests: int, pages: int, budget: in
         close()
     elapsed = time.perf_counter() - began
     return {"gb_s": done_bytes / elapsed / 1e9, "seconds": elapsed, "bytes": done_bytes, "requests": requests}
+
+
+def _stream_to_a_process(
+    src: Any, size: int, nap: float
+) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
+    """submit, poll, close for Mooncake writes into a receiver process (`_stream_receiver`), both beside a loop."""
+    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds engine threads
+    ready, stop = spawn.Queue(), spawn.Event()
+    receiver = spawn.Process(target=_stream_receiver, args=(size, nap, ready, stop), daemon=True)
+    receiver.start()
+    loop_stop = threading.Event()
+    try:
+        target, d0 = ready.get(timeout=120)
+        writer = TransferEngine()
+        if writer.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("Mooncake TransferEngine.initialize failed")
+        writer.register_memory(src.data_ptr(), size)
+        s0 = src.data_ptr()
+        opening = writer.transfer_submit_write(target, s0, d0, 0)  # opens the segment before the clock starts
+        while writer.transfer_check_status(opening) == 0:
+            time.sleep(0.001)
+    except BaseException:
+        stop.set()
+        receiver.join(10)
+        raise
+    threading.Thread(target=_scheduler_loop, args=(loop_stop, nap), daemon=True).start()
+
+    def submit(writes: list[tuple[int, int, int]]) -> Any:
+        return [writer.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
+
+    def poll(batches: list[int]) -> bool:
+        while batches:
+            status = writer.transfer_check_status(batches[0])
+            if status == 0:
+                return False
+            if status != 1:
+                raise RuntimeError(f"Mooncake write ended with status {status}")
+            batches.pop(0)
+        return True
+
+    def close() -> None:
+        loop_stop.set()
+        stop.set()
+        receiver.join(10)
+        if receiver.is_alive():
+            receiver.kill()
+
+    return submit, poll, close
 
 
 def _stream_engine(
@@ -576,6 +672,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--stream-requests", type=int, default=100, help="requests per --stream figure (default 100)")
     parser.add_argument("--stream-pages", type=int, default=64, help="64 KiB pages per --stream request (default 64)")
+    parser.add_argument(
+        "--stream-beside-loop",
+        metavar="SECONDS",
+        type=float,
+        help="Mooncake's --stream figures with the receiver in its own process, both beside a loop napping that long",
+    )
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -583,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     if args.count < 1:
         parser.error("--count must be at least 1")
+    if args.stream_beside_loop is not None and not args.stream_beside_loop > 0:
+        parser.error(f"--stream-beside-loop must be a positive number of seconds; got {args.stream_beside_loop}")
     figures: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     skipped: dict[str, str] = {}
@@ -637,11 +741,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     streams: dict[str, dict[str, float]] = {}
     for engine in (e for e in ("mooncake", "nixl") if e in parts and e not in skipped):
         for inflight in args.stream:
-            found = raw_stream(engine, inflight, args.stream_requests, args.stream_pages)
+            beside = args.stream_beside_loop if engine == "mooncake" else None
+            found = raw_stream(engine, inflight, args.stream_requests, args.stream_pages, beside_loop=beside)
             streams[f"{engine}/{inflight}"] = found
+            where = "" if beside is None else f", two processes beside a {beside * 1e6:.0f} us loop"
             print(
-                f"  {engine}, {args.stream_requests} requests of {args.stream_pages} pages, {inflight} in flight: "
-                f"{found['gb_s']:.3f} GB/s",
+                f"  {engine}, {args.stream_requests} requests of {args.stream_pages} pages, {inflight} in flight"
+                f"{where}: {found['gb_s']:.3f} GB/s",
                 flush=True,
             )
     if "naps" in parts:

@@ -145,15 +145,19 @@ PEER = Path(__file__).resolve().with_name("_vs_sglang_peer.py")  # what each chi
 PARTS = Path(__file__).resolve().with_name("latency_parts.py")  # the raw engines' writes (the `raw` rows)
 SETUP_TIMEOUT = 300.0  # a child's imports and engine start (SGLang takes ~20 s on a busy machine)
 EXIT_GRACE = 15.0  # a child's own shutdown before it is terminated
-IMPLS = ("kvfsm", "kvfsm-nixl", "sglang", "raw", "raw-nixl")
+IMPLS = ("kvfsm", "kvfsm-nixl", "sglang", "raw", "raw-loop", "raw-nixl")
 IMPL_TITLES = {
     "kvfsm": "kvfsm over Mooncake",
     "kvfsm-nixl": "kvfsm over NIXL",
     "sglang": "SGLang 0.5.23 Mooncake",
     "raw": "raw Mooncake writes",
+    "raw-loop": "raw Mooncake beside loop",
     "raw-nixl": "raw NIXL writes",
 }
-RAW_ENGINES = {"raw": "mooncake", "raw-nixl": "nixl"}  # the raw rows and the latency_parts engine each runs
+# The raw rows and the latency_parts engine each runs. `raw-loop`: the same writes as `raw`, the
+# receiver in a process of its own and a scheduler loop's thread (--poll-sleep) in both, as the
+# kvfsm and SGLang rows have; in-flight cases only.
+RAW_ENGINES = {"raw": "mooncake", "raw-loop": "mooncake", "raw-nixl": "nixl"}
 RAW_TIMEOUT = 300.0  # seconds for one raw measurement (engine start included)
 RAW_STREAM_REQUESTS = 256  # at most this many requests in a raw throughput figure
 Key = tuple[str, str]  # (implementation, case name)
@@ -460,7 +464,7 @@ def raw_stream_row(impl: str, case: Case, found: dict[str, float]) -> dict[str, 
     }
 
 
-def run_raw(impl: str, case: Case, log_dir: Path) -> dict[str, Any]:
+def run_raw(impl: str, case: Case, log_dir: Path, beside_loop: float = 1e-4) -> dict[str, Any]:
     """Measure `impl`'s raw writes for `case` in a child process (`latency_parts.py`); its row.
 
     The one-page case: one page's writes, `case.requests` times (their time
@@ -479,6 +483,8 @@ def run_raw(impl: str, case: Case, log_dir: Path) -> dict[str, Any]:
         requests = min(case.requests, RAW_STREAM_REQUESTS)
         command += ["--count", "5", "--stream", str(case.inflight), "--stream-requests", str(requests)]
         command += ["--stream-pages", str(case.pages)]
+        if impl == "raw-loop":
+            command += ["--stream-beside-loop", repr(beside_loop)]
     try:
         with open(log, "wb") as sink:
             done = subprocess.run(
@@ -733,10 +739,14 @@ def _raw_throughput_lines(cases: list[Case], results: Results) -> list[str]:
         if case.name == "lat":
             continue
         cells = []
-        for impl, raw in (("kvfsm", "raw"), ("kvfsm-nixl", "raw-nixl")):
+        for impl, raw, label in (
+            ("kvfsm", "raw", IMPL_TITLES["kvfsm"]),
+            ("kvfsm", "raw-loop", "the same / raw beside the loop"),
+            ("kvfsm-nixl", "raw-nixl", IMPL_TITLES["kvfsm-nixl"]),
+        ):
             ours, theirs = (impl, case.name), (raw, case.name)
             if ours in results and theirs in results:
-                cells.append(f"{IMPL_TITLES[impl]} {_ratio_cell(results, ours, theirs, 'gb_s')}")
+                cells.append(f"{label} {_ratio_cell(results, ours, theirs, 'gb_s')}")
         if cells:
             lines.append(f"  {case.title:<30} " + ";  ".join(cells))
     if not lines:
@@ -968,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pythons["kvfsm-nixl"] = sys.executable
     if args.sglang_python:
         pythons["sglang"] = args.sglang_python
-    raw_impls = [] if args.no_raw else ["raw", *(["raw-nixl"] if args.nixl else [])]
+    raw_impls = [] if args.no_raw else ["raw", "raw-loop", *(["raw-nixl"] if args.nixl else [])]
     results = Results()
     errors: list[str] = []
     began = time.monotonic()
@@ -998,10 +1008,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for impl in raw_impls:  # the same writes on the bare engine, in the same round
                     if case.name != "lat" and case.inflight > args.raw_max_inflight:
                         continue
+                    if impl == "raw-loop" and case.name == "lat":
+                        continue  # a throughput baseline: the one-page writes are timed alone
                     what = "one page's writes" if case.name == "lat" else f"{case.title}, {case.requests} requests"
                     _progress(f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {what}")
                     try:
-                        row = run_raw(impl, case, Path(logs))
+                        row = run_raw(impl, case, Path(logs), beside_loop=args.poll_sleep or 1e-4)
                     except CaseError as exc:
                         errors.append(f"{where}{IMPL_TITLES[impl]}: {exc}")
                         _progress(f"  could not run: {exc}")

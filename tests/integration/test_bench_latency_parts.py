@@ -55,3 +55,9 @@ def test_an_unknown_part_is_a_usage_error() -> None:
     done = _run("--only", "tcp,frob")
     assert done.returncode == 2
     assert "unknown part 'frob'" in done.stderr
+
+
+def test_a_loop_nap_that_is_not_positive_is_a_usage_error() -> None:
+    done = _run("--only", "naps", "--stream", "4", "--stream-beside-loop", "0")
+    assert done.returncode == 2
+    assert "--stream-beside-loop must be a positive number of seconds; got 0.0" in done.stderr

@@ -189,9 +189,15 @@ def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -
     assert set(rows) == {"lat", "2"}
     # Beside kvfsm's rows, the raw Mooncake writes of the one-page case, measured in the same run.
     raws = {row["case"]: row for row in data["results"] if row["impl"] == "raw"}
-    assert len(raws) == len(data["results"]) - 2 and set(raws) == {"lat", "2"}
+    assert set(raws) == {"lat", "2"}
     assert raws["lat"]["requests"] == 5 and raws["lat"]["critical_p50_s"] > 0  # one page's writes, timed
     assert raws["2"]["requests"] == 6 and raws["2"]["gb_s"] > 0  # the same requests' writes, 2 in flight
+    # The same writes again, the receiver in its own process and both beside a scheduler loop: a
+    # throughput baseline, so the in-flight case only.
+    beside = {row["case"]: row for row in data["results"] if row["impl"] == "raw-loop"}
+    assert set(beside) == {"2"} and beside["2"]["requests"] == 6 and beside["2"]["gb_s"] > 0
+    assert len(data["results"]) == 2 + len(raws) + len(beside)
+    assert "the same / raw beside the loop" in done.stdout
     assert rows["lat"]["critical_p50_s"] > 0 and rows["lat"]["critical_p99_s"] >= rows["lat"]["critical_p50_s"]
     for case, pages, requests in (("lat", 1, 5), ("2", 4, 6)):
         row = rows[case]
@@ -224,9 +230,9 @@ def test_nixl_runs_in_the_same_loop_with_its_own_rows_and_goals(tmp_path: Path) 
     done, data = _bench(tmp_path, "--nixl", "--cases", "16", *SMALL, "--requests", "20")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["impl"]: row for row in data["results"]}
-    assert set(rows) == {"kvfsm", "kvfsm-nixl", "raw", "raw-nixl"}
+    assert set(rows) == {"kvfsm", "kvfsm-nixl", "raw", "raw-loop", "raw-nixl"}
     # Each engine's raw row: the same requests' writes, as many in flight, on the bare engine.
-    for raw in ("raw", "raw-nixl"):
+    for raw in ("raw", "raw-loop", "raw-nixl"):
         assert (rows[raw]["case"], rows[raw]["requests"]) == ("16", 20) and rows[raw]["gb_s"] > 0
     nixl = rows["kvfsm-nixl"]
     assert (nixl["ok"], nixl["requests"], nixl["bad"]) == (20, 20, 0), nixl
