@@ -70,7 +70,13 @@ transfer of four descriptors), the baseline of the critical path; for the
 in-flight cases (up to ``--raw-max-inflight``, 64) the same requests' writes
 (random pages, runs coalesced, one write per run and region) with as many
 requests in flight and kvfsm's per-decode budget of writes in flight, the
-baseline of throughput. ``--no-raw`` skips them. The goals of issue 23 are
+baseline of throughput. For Mooncake's in-flight cases a second raw row,
+``raw Mooncake beside loop``, runs the same writes with the receiving engine
+in a process of its own and, in both processes, a thread doing what the
+loop above does when nothing concluded (glance at the requests, nap
+``--poll-sleep``): the kvfsm and SGLang rows run beside that loop, the bare
+row does not, and on a small machine that alone moves the engine's figure
+(``docs/performance.md``). ``--no-raw`` skips them. The goals of issue 23 are
 printed below issue 12's, each a ratio within a round, with the range over
 the rounds.
 
