@@ -498,6 +498,27 @@ def raw_stream(
     return {"gb_s": done_bytes / elapsed / 1e9, "seconds": elapsed, "bytes": done_bytes, "requests": requests}
 
 
+def _mooncake_stream_calls(
+    writer: Any, target: str, s0: int, d0: int
+) -> tuple[Callable[[list[tuple[int, int, int]]], Any], Callable[[Any], bool]]:
+    """submit(writes) -> batches and poll(batches) -> ended, for a raw stream's Mooncake writes to `target`."""
+
+    def submit(writes: list[tuple[int, int, int]]) -> Any:
+        return [writer.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
+
+    def poll(batches: list[int]) -> bool:
+        while batches:
+            status = writer.transfer_check_status(batches[0])
+            if status == 0:
+                return False
+            if status != 1:
+                raise RuntimeError(f"Mooncake write ended with status {status}")
+            batches.pop(0)
+        return True
+
+    return submit, poll
+
+
 def _stream_to_a_process(
     src: Any, size: int, nap: float
 ) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
@@ -525,18 +546,7 @@ def _stream_to_a_process(
         raise
     threading.Thread(target=_scheduler_loop, args=(loop_stop, nap), daemon=True).start()
 
-    def submit(writes: list[tuple[int, int, int]]) -> Any:
-        return [writer.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
-
-    def poll(batches: list[int]) -> bool:
-        while batches:
-            status = writer.transfer_check_status(batches[0])
-            if status == 0:
-                return False
-            if status != 1:
-                raise RuntimeError(f"Mooncake write ended with status {status}")
-            batches.pop(0)
-        return True
+    submit, poll = _mooncake_stream_calls(writer, target, s0, d0)
 
     def close() -> None:
         loop_stop.set()
@@ -555,21 +565,7 @@ def _stream_engine(
     nbytes = src.numel()
     if engine == "mooncake":
         a, b, target = _mooncake_pair(src, dst)
-        s0, d0 = src.data_ptr(), dst.data_ptr()
-
-        def submit(writes: list[tuple[int, int, int]]) -> Any:
-            return [a.transfer_submit_write(target, s0 + s, d0 + d, n) for s, d, n in writes]
-
-        def poll(batches: list[int]) -> bool:
-            while batches:
-                status = a.transfer_check_status(batches[0])
-                if status == 0:
-                    return False
-                if status != 1:
-                    raise RuntimeError(f"Mooncake write ended with status {status}")
-                batches.pop(0)
-            return True
-
+        submit, poll = _mooncake_stream_calls(a, target, src.data_ptr(), dst.data_ptr())
         held = (a, b)  # the receiving engine must outlive the writes: only `close` drops it
         return submit, poll, held.__len__
     if engine == "nixl":
