@@ -235,20 +235,25 @@ def control_round_trip(count: int) -> float:
 # -- engine writes -----------------------------------------------------------------
 
 
+def _mooncake_engine(buffer: Any) -> tuple[Any, str]:
+    """A Mooncake engine in this process (TCP, P2P handshake) with `buffer` registered; (engine, its target name)."""
+    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    engine.register_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+    return engine, f"127.0.0.1:{engine.get_rpc_port()}"
+
+
 def _mooncake_pair(src: Any, dst: Any) -> tuple[Any, Any, str]:
     """Two Mooncake engines in this process (TCP, P2P handshake): `src` registered on one, `dst` on the other.
 
     Returns (writer, receiver, the receiver's target name); the receiver must outlive the writes.
     """
-    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-    a, b = TransferEngine(), TransferEngine()
-    for engine in (a, b):
-        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("Mooncake TransferEngine.initialize failed")
-    a.register_memory(src.data_ptr(), src.numel() * src.element_size())
-    b.register_memory(dst.data_ptr(), dst.numel() * dst.element_size())
-    return a, b, f"127.0.0.1:{b.get_rpc_port()}"
+    a, _ = _mooncake_engine(src)
+    b, target = _mooncake_engine(dst)
+    return a, b, target
 
 
 def mooncake_page_samples(count: int) -> tuple[list[float], list[float]]:
@@ -409,18 +414,21 @@ def _scheduler_loop(stop: Any, nap: float) -> None:
 
 
 def _stream_receiver(size: int, nap: float, ready: Any, stop: Any) -> None:
-    """The receiving Mooncake engine in a process of its own, beside a scheduler loop (`raw_stream`'s `beside_loop`)."""
-    import torch
-    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    """The receiving Mooncake engine in a process of its own, beside a scheduler loop (`raw_stream`'s `beside_loop`).
 
+    It ends when told, when its parent is gone (killed on a timeout, say) or
+    after `RAW_STREAM_LIMIT` seconds, whichever comes first.
+    """
+    import torch
+
+    parent = os.getppid()
     dst = torch.zeros(size, dtype=torch.uint8)
-    engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("Mooncake TransferEngine.initialize failed")
-    engine.register_memory(dst.data_ptr(), size)
+    _engine, target = _mooncake_engine(dst)
     threading.Thread(target=_scheduler_loop, args=(stop, nap), daemon=True).start()
-    ready.put((f"127.0.0.1:{engine.get_rpc_port()}", dst.data_ptr()))
-    stop.wait(RAW_STREAM_LIMIT)
+    ready.put((target, dst.data_ptr()))
+    ends = time.monotonic() + RAW_STREAM_LIMIT
+    while not stop.wait(0.5) and os.getppid() == parent and time.monotonic() < ends:
+        pass
 
 
 def raw_stream(
@@ -523,8 +531,6 @@ def _stream_to_a_process(
     src: Any, size: int, nap: float
 ) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
     """submit, poll, close for Mooncake writes into a receiver process (`_stream_receiver`), both beside a loop."""
-    from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
     spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds engine threads
     ready, stop = spawn.Queue(), spawn.Event()
     receiver = spawn.Process(target=_stream_receiver, args=(size, nap, ready, stop), daemon=True)
@@ -532,14 +538,18 @@ def _stream_to_a_process(
     loop_stop = threading.Event()
     try:
         target, d0 = ready.get(timeout=120)
-        writer = TransferEngine()
-        if writer.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("Mooncake TransferEngine.initialize failed")
-        writer.register_memory(src.data_ptr(), size)
+        writer, _ = _mooncake_engine(src)
         s0 = src.data_ptr()
-        opening = writer.transfer_submit_write(target, s0, d0, 0)  # opens the segment before the clock starts
-        while writer.transfer_check_status(opening) == 0:
+        # A write of nothing opens the receiver's segment before the clock starts.
+        opening = writer.transfer_submit_write(target, s0, d0, 0)
+        status = 0
+        for _ in range(10_000):  # 10 s at most
+            status = writer.transfer_check_status(opening)
+            if status != 0:
+                break
             time.sleep(0.001)
+        if status != 1:
+            raise RuntimeError(f"Mooncake could not open the receiver's segment (status {status})")
     except BaseException:
         stop.set()
         receiver.join(10)
@@ -681,8 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     if args.count < 1:
         parser.error("--count must be at least 1")
-    if args.stream_beside_loop is not None and not args.stream_beside_loop > 0:
-        parser.error(f"--stream-beside-loop must be a positive number of seconds; got {args.stream_beside_loop}")
+    if args.stream_beside_loop is not None and not args.stream_beside_loop >= 0:  # NaN fails too
+        parser.error(f"--stream-beside-loop must be at least 0 seconds; got {args.stream_beside_loop}")
     figures: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     skipped: dict[str, str] = {}

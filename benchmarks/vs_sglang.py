@@ -470,13 +470,14 @@ def raw_stream_row(impl: str, case: Case, found: dict[str, float]) -> dict[str, 
     }
 
 
-def run_raw(impl: str, case: Case, log_dir: Path, beside_loop: float = 1e-4) -> dict[str, Any]:
+def run_raw(impl: str, case: Case, log_dir: Path, beside_loop: float) -> dict[str, Any]:
     """Measure `impl`'s raw writes for `case` in a child process (`latency_parts.py`); its row.
 
     The one-page case: one page's writes, `case.requests` times (their time
     each). An in-flight case: `case.requests` requests of the same size with
     as many in flight and kvfsm's per-decode budget of writes in flight
-    (`latency_parts.raw_stream`; throughput).
+    (`latency_parts.raw_stream`; throughput). `raw-loop` runs the same
+    stream beside a scheduler loop napping `beside_loop` seconds.
     """
     out = log_dir / f"{impl}.json"
     log = log_dir / f"{impl}.log"
@@ -1019,7 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     what = "one page's writes" if case.name == "lat" else f"{case.title}, {case.requests} requests"
                     _progress(f"[{time.monotonic() - began:6.1f}s] {where}{IMPL_TITLES[impl]}: {what}")
                     try:
-                        row = run_raw(impl, case, Path(logs), beside_loop=args.poll_sleep or 1e-4)
+                        row = run_raw(impl, case, Path(logs), beside_loop=args.poll_sleep)
                     except CaseError as exc:
                         errors.append(f"{where}{IMPL_TITLES[impl]}: {exc}")
                         _progress(f"  could not run: {exc}")
