@@ -466,6 +466,13 @@ class SchedulerLoop:
         self.settings = settings
         self.active: dict[int, InFlight] = {}
         self.records: list[dict[str, Any]] = []
+        # `--trace`: the marks `_trace` took inside kvfsm's calls, per room (see benchmarks/_trace.py).
+        self.marks_of: Callable[[int], dict[str, float]] | None = None
+        if settings.get("trace"):
+            import _trace
+
+            _trace.install(role)
+            self.marks_of = _trace.marks_of
 
     def run(self) -> dict[str, Any]:
         s = self.settings
@@ -487,6 +494,10 @@ class SchedulerLoop:
             if not self._turn() and self.active:
                 time.sleep(s["poll_sleep"])
         self._abort_the_rest(s["drain"] + 5.0)
+        if self.marks_of is not None:
+            # Read at the end: a room's last marks (DONE sent) may come after its loop concluded it.
+            for record in self.records:
+                record["marks"] = self.marks_of(record["room"])
         cpu = _cpu_seconds() - cpu0 if cpu0 is not None else 0.0
         harness = self.pools.harness_cpu - harness0 if cpu0 is not None else 0.0
         return {

@@ -330,6 +330,7 @@ def run_pair(impl: str, python: str, case: Case, args: argparse.Namespace, log_d
         "poll_sleep": args.poll_sleep,
         "check_bytes": not args.no_check,
         "remote": dict(args.remote),
+        "trace": args.trace and case.name == "lat" and impl in ("kvfsm", "kvfsm-nixl"),
         "room_timeout": args.room_timeout,
         "drain": args.drain,
         "case_timeout": args.case_timeout,
@@ -413,7 +414,30 @@ def summarize(case: Case, impl: str, reports: dict[str, dict[str, Any]]) -> dict
         "cpu_decode_s_per_request": own_cpu["decode"] / case.requests,
         "harness_cpu_s_per_request": sum(reports[side]["harness_cpu_s"] for side in reports) / case.requests,
         "failures": dict(failures.most_common()),
+        "trace": _trace_offsets(prefill, decode, ok_rooms),
     }
+
+
+def _trace_offsets(
+    prefill: dict[int, dict[str, Any]], decode: dict[int, dict[str, Any]], rooms: list[int]
+) -> dict[str, float]:
+    """`--trace`: each step's median time after the room's last send() (seconds), over the measured rooms.
+
+    The steps are the marks `benchmarks/_trace.py` took in both processes,
+    with the last send() (0) and the decode's loop seeing Success (the
+    critical path's end) added; empty when the case was not traced.
+    """
+    offsets: dict[str, list[float]] = collections.defaultdict(list)
+    for room in rooms:
+        start = prefill[room].get("last_send")
+        if start is None or "marks" not in prefill[room]:
+            continue
+        steps = {**prefill[room]["marks"], **decode[room].get("marks", {})}
+        steps["last send() called"] = start
+        steps["scheduler loop saw Success"] = decode[room]["end"]
+        for step, at in steps.items():
+            offsets[step].append(at - start)
+    return {step: statistics.median(values) for step, values in offsets.items()}
 
 
 def _percentile(ordered: list[float], fraction: float) -> float | None:
@@ -681,6 +705,11 @@ class Results:
         for r in rows:
             failures.update(r["failures"])
         merged["failures"] = dict(failures.most_common())
+        traces: dict[str, list[float]] = collections.defaultdict(list)
+        for r in rows:
+            for step, offset in r.get("trace", {}).items():
+                traces[step].append(offset)
+        merged["trace"] = {step: statistics.median(offsets) for step, offsets in traces.items()}
         return merged
 
     def ratio(self, figure: Key, baseline: Key, name: str) -> tuple[float | None, list[float]]:
@@ -790,6 +819,24 @@ def _critical_lines(cases: list[Case], results: Results) -> list[str]:
     ]
 
 
+def _trace_lines(results: Results) -> list[str]:
+    """`--trace`: where kvfsm's one-page critical path goes, step by step (medians after the last send())."""
+    lines = []
+    for impl in ("kvfsm", "kvfsm-nixl"):
+        row = results.row((impl, "lat"))
+        if row is None or not row.get("trace"):
+            continue
+        lines += [
+            "",
+            f"where the critical path goes, {IMPL_TITLES[impl]} (--trace; medians, us after the last send()):",
+        ]
+        before = 0.0
+        for step, offset in sorted(row["trace"].items(), key=lambda item: item[1]):
+            lines.append(f"  {step:<40} {offset * 1e6:>8.0f} {f'+{(offset - before) * 1e6:.0f}':>8}")
+            before = offset
+    return lines
+
+
 def format_report(cases: list[Case], results: Results, errors: list[str]) -> list[str]:
     impls = results.impls()
     lines = [
@@ -824,6 +871,7 @@ def format_report(cases: list[Case], results: Results, errors: list[str]) -> lis
                 + (f"  BAD BYTES in {row['bad']}" if row["bad"] else "")
             )
     lines += _critical_lines(cases, results)
+    lines += _trace_lines(results)
     lines += _raw_throughput_lines(cases, results)
     if "kvfsm" in impls and "sglang" in impls:
         lines += ["", "kvfsm / SGLang, same run (latency and CPU: lower is better; throughput: higher):"]
@@ -927,6 +975,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-check",
         action="store_true",
         help="neither fill nor check the bytes (a request is ok on Success alone): the raw rows' conditions",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="mark each step of kvfsm's one-page critical path inside its calls and print where the time goes",
     )
     parser.add_argument(
         "--no-raw", action="store_true", help="skip the raw engines' rows (the same writes on the bare engine)"

@@ -8,6 +8,9 @@ of the prefill, one lane per decode session). Every other line that runs is the
 production code. The engine is `SimEngine`: a write is a `SimJob` that
 stays in flight until the test completes it (copying the bytes for real
 with `ctypes.memmove` between torch tensors) or fails it, in any order.
+`NotifyingSimEngine` also carries notifications, as NIXL does (`World(...,
+notifying=True)`): they wait in `SimNet.notes` until the receiving decode
+polls its engine.
 
 The model-based test (tests/property/test_wire_model.py) and the
 regression tests of the wire defects (tests/unit/test_wire_defects.py)
@@ -51,6 +54,8 @@ class SimNet:
         self.inflight: list[tuple[str, list[bytes]]] = []
         self.endpoints: dict[str, SimBackend] = {}
         self.delivered: list[tuple[str, list[bytes]]] = []
+        # Engine notifications on their way, per receiving engine id: (sender's engine id, message).
+        self.notes: dict[str, list[tuple[str, bytes]]] = {}
 
     def deliver(self, index: int) -> None:
         addr, frames = self.inflight.pop(index)
@@ -154,18 +159,54 @@ class SimEngine(EngineAdapter):
         return job
 
 
+class NotifyingSimEngine(SimEngine):
+    """A `SimEngine` that carries notifications and must be polled on the receiving side (as NIXL)."""
+
+    receiver_progress = True
+    notifies = True
+
+    def __init__(self, net: SimNet, engine_id: str) -> None:
+        super().__init__()
+        self.net = net
+        self.engine_id = engine_id
+        self.notified: list[tuple[str, bytes]] = []
+
+    def session(self) -> tuple[dict[str, Any], bytes | None]:
+        return {"agent": self.engine_id}, None
+
+    def add_peer(self, session: dict[str, Any], blob: bytes | None) -> Any:
+        return (session.get("agent"),)
+
+    def notify(self, target: Any, message: bytes) -> None:
+        if self.broken is not None:
+            raise BackendError(self.broken)
+        self.notified.append((target[0], message))
+        self.net.notes.setdefault(target[0], []).append((self.engine_id, message))
+
+    def progress(self) -> list[tuple[str, bytes]]:
+        return self.net.notes.pop(self.engine_id, [])
+
+
 class SimBackend(RemoteBackend):
     name = "sim"
 
-    def __init__(self, manager: kvfsm.TransferManager, net: SimNet, address: str, config: RemoteConfig = CONFIG):
+    def __init__(
+        self,
+        manager: kvfsm.TransferManager,
+        net: SimNet,
+        address: str,
+        config: RemoteConfig = CONFIG,
+        notifying: bool = False,
+    ):
         self._net = net
         self._sim_address = address
+        self._notifying = notifying
         self.deferred: list[kvfsm.StateChange] = []
         super().__init__(manager, config)
         net.endpoints[address] = self
 
     def _make_engine(self) -> EngineAdapter:
-        return SimEngine()
+        return NotifyingSimEngine(self._net, f"engine-{self._sim_address}") if self._notifying else SimEngine()
 
     def _make_transport(self) -> Any:
         return SimTransport(self._net, self._sim_address)
@@ -239,21 +280,22 @@ class Pools:
 class World:
     """One prefill and two decode endpoints on one simulated network and one clock."""
 
-    def __init__(self, config: RemoteConfig = CONFIG, decodes: int = 2) -> None:
+    def __init__(self, config: RemoteConfig = CONFIG, decodes: int = 2, notifying: bool = False) -> None:
         #: `settle()` lets decodes read their commit markers before it delivers frames.
         self.markers_first = False
         self.clock = FakeClock()
         self.net = SimNet()
         self.prefill_manager = kvfsm.TransferManager("sender", timeouts=TIMEOUTS, clock=self.clock)
         self.prefill_pools = Pools()
-        self.prefill = SimBackend(self.prefill_manager, self.net, "sim://prefill", config)
+        self.prefill = SimBackend(self.prefill_manager, self.net, "sim://prefill", config, notifying)
         self.prefill.register_pools(self.prefill_pools.kv_pools())
         self.decode_managers = [
             kvfsm.TransferManager("receiver", timeouts=TIMEOUTS, clock=self.clock) for _ in range(decodes)
         ]
         self.decode_pools = [Pools() for _ in range(decodes)]
         self.decodes = [
-            SimBackend(manager, self.net, f"sim://decode{i}", config) for i, manager in enumerate(self.decode_managers)
+            SimBackend(manager, self.net, f"sim://decode{i}", config, notifying)
+            for i, manager in enumerate(self.decode_managers)
         ]
         for backend, pools in zip(self.decodes, self.decode_pools, strict=True):
             backend.register_pools(pools.kv_pools())

@@ -16,6 +16,16 @@ a one-page room's 900). So a decode that can also hears it on the data plane:
   claimed; the token it minted, found there, proves every byte landed, and
   the room succeeds without waiting for DONE.
 
+An engine that the decode must poll for its incoming writes to progress
+(NIXL without its progress thread) would not move a marker along once the
+room's own writes ended, so there the marker travels as the engine's
+notification instead (`EngineAdapter.notifies`): the decode names
+`notify` in its HELLO, and the prefill, at the same point and under the
+same rule, sends the slot's 24 bytes as a notification (`notification`)
+on the engine's endpoint to the decode, which its control thread reads
+while polling the engine anyway and checks as it would the slot
+(`parse_notification`; the token, and the prefill's engine id).
+
 DONE still goes out as before and completes the room if the marker could
 not be written (no slot free on either side, the marker write failed). A
 DONE or CHUNK arriving after the marker is expected, not stale. Nothing
@@ -30,17 +40,44 @@ from __future__ import annotations
 
 import ctypes
 import secrets
+import struct
 import threading
 from typing import Any
 
 from .memory import MemoryRegion
 from .wire import MAX_MARKER_SLOTS, MAX_TOKEN
 
-__all__ = ["MARKER_BYTES", "MarkerSlots", "markers_from_fields", "new_token"]
+__all__ = [
+    "MARKER_BYTES",
+    "MarkerSlots",
+    "markers_from_fields",
+    "new_token",
+    "notification",
+    "parse_notification",
+]
 
 #: One marker: the room's token, the bytes the prefill wrote for it and its chunks (uint64 each).
 MARKER_BYTES = 24
 _WORDS = MARKER_BYTES // 8
+#: A marker sent as an engine notification: this prefix, then the slot's three words (little-endian).
+_NOTE_PREFIX = b"kvfsm-marker\0"
+_NOTE = struct.Struct("<QQQ")
+NOTE_BYTES = len(_NOTE_PREFIX) + _NOTE.size
+
+
+def notification(token: int, nbytes: int, chunks: int) -> bytes:
+    """A room's commit marker as an engine notification."""
+    return _NOTE_PREFIX + _NOTE.pack(token, nbytes, chunks)
+
+
+def parse_notification(message: bytes) -> tuple[int, int, int] | None:
+    """(token, bytes, chunks) of a notification, or None when it is not a well-formed marker."""
+    if len(message) != NOTE_BYTES or not message.startswith(_NOTE_PREFIX):
+        return None
+    token, nbytes, chunks = _NOTE.unpack_from(message, len(_NOTE_PREFIX))
+    if not 0 < token <= MAX_TOKEN:
+        return None
+    return token, nbytes, chunks
 
 
 def new_token() -> int:

@@ -103,10 +103,11 @@ def _count(name: str, low: int, high: int | None = None) -> Callable[[object, at
     return check
 
 
-def _flag(name: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+def _flag(name: str, *, none: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
     def check(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"RemoteConfig.{name} must be True or False; got {value!r}")
+        if not (isinstance(value, bool) or (none and value is None)):
+            allowed = "True, False or None" if none else "True or False"
+            raise ConfigError(f"RemoteConfig.{name} must be {allowed}; got {value!r}")
 
     return check
 
@@ -161,13 +162,17 @@ class RemoteConfig:
     the prefill writes a room's commit marker into the decode's memory once
     every write landed, and the decode, which reads its claimed rooms'
     `marker_slots` every `marker_poll_interval` seconds while any is
-    claimed, succeeds without waiting for DONE (which still follows). It
-    is off by default: over TCP on loopback a Mooncake write of 24 bytes
-    took as long as DONE's trip over ZeroMQ, so the marker saved nothing
-    and its polling cost CPU (docs/performance.md). It is for transports
-    where a small write is far cheaper than a control message (RDMA). Set
-    it on both sides; a prefill writes markers only to decodes that claim
-    with one, and with it off (or no slot free) DONE alone completes a room.
+    claimed, succeeds without waiting for DONE (which still follows). On an
+    engine that carries notifications (NIXL) the marker is sent as one
+    instead, read where the decode polls the engine anyway. `None` (the
+    default) leaves it to the engine: on with NIXL, where it took a third
+    to a half off a one-page room here and cost no throughput; off with
+    Mooncake, where over TCP on loopback a write of 24 bytes took as long
+    as DONE's trip over ZeroMQ, so the marker saved nothing and its polling
+    cost CPU (docs/performance.md). Where a small write is far cheaper than
+    a control message (RDMA) turn it on. Set it alike on both sides; a
+    prefill writes markers only to decodes that claim with one, and with it
+    off (or no slot free) DONE alone completes a room.
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_host)
@@ -187,7 +192,7 @@ class RemoteConfig:
     max_writes_in_flight: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_count("max_writes_in_flight", 1))
     )
-    completion_markers: bool = attrs.field(default=False, validator=_flag("completion_markers"))
+    completion_markers: bool | None = attrs.field(default=None, validator=_flag("completion_markers", none=True))
     marker_slots: int = attrs.field(default=4096, validator=_count("marker_slots", 1, 1 << 20))
     marker_poll_interval: float = attrs.field(default=0.00005, validator=_positive("marker_poll_interval"))
 
@@ -233,6 +238,9 @@ class RemoteStats:
     #: Prefill side: commit markers written, and those not written or failed (DONE completed those rooms).
     markers_written: int = 0
     markers_missed: int = 0
+    #: Decode side: engine notifications that completed nothing (not a marker, not our token, not
+    #: from that room's prefill, or the room no longer waiting).
+    notifications_dropped: int = 0
 
 
 def pools_fields(pools: KVPools) -> dict[str, Any]:
@@ -360,7 +368,8 @@ class RemoteEndpoint(abc.ABC):
         self.transport: Transport = _NoTransport()
         # Completion on the data plane (`_markers`): the decode's slots are where prefills write
         # its rooms' markers, the prefill's are where those markers are written from.
-        self.markers: MarkerSlots | None = MarkerSlots(config.marker_slots) if config.completion_markers else None
+        markers = engine.notifies if config.completion_markers is None else config.completion_markers
+        self.markers: MarkerSlots | None = MarkerSlots(config.marker_slots) if markers else None
 
     @property
     def pools(self) -> KVPools | None:

@@ -106,6 +106,11 @@ class EngineAdapter(abc.ABC):
     #: engine (NIXL without its progress thread): the decode then calls `progress()` often
     #: while a prefill may be writing into it.
     receiver_progress: bool = False
+    #: True when the engine carries short notifications to a peer (NIXL's `send_notif`): a
+    #: decode with completion markers on then hears each room's commit marker as one
+    #: (`notify`, returned by the decode's `progress()`) instead of having it written into
+    #: its memory, which this engine would not move along once the room is done.
+    notifies: bool = False
 
     @abc.abstractmethod
     def register(self, regions: list[MemoryRegion]) -> None:
@@ -134,9 +139,17 @@ class EngineAdapter(abc.ABC):
         """Start writes between host buffers (`register_host`'s, and aux slots in host memory)."""
         return self.submit(target, writes)
 
-    def progress(self) -> None:
-        """Let the engine move incoming writes along (see `receiver_progress`)."""
-        return
+    def progress(self) -> list[tuple[str, bytes]]:
+        """Let the engine move incoming writes along (see `receiver_progress`).
+
+        Returns the notifications that arrived meanwhile (`notifies`): the
+        sending peer's engine id and the message, unchecked.
+        """
+        return []
+
+    def notify(self, target: Any, message: bytes) -> None:
+        """Send `message` to the peer of `target` after everything submitted to it before (`notifies`)."""
+        raise BackendError(f"engine {self.name!r} carries no notifications")
 
     def close(self) -> None:
         return

@@ -45,7 +45,7 @@ from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import codec, wire
 from ._errors import BackendError
-from ._markers import new_token
+from ._markers import new_token, parse_notification
 from ._remote_endpoint import Fire, RemoteEndpoint, new_generation, peer_reason, pools_from_fields, step
 from ._sessions import Session, SessionState
 
@@ -135,6 +135,15 @@ class DecodeEndpoint(RemoteEndpoint):
         self._watched: set[RecvRecord] = set()
         # Sessions whose (next) HELLO waits for its pause to end.
         self._hellos_due: list[Session] = []
+        # Markers come as engine notifications, not into the slots (`_markers`): the engine
+        # would not move a marker along once the room's writes ended.
+        self._notified = self.markers is not None and self.engine.notifies
+
+    def _session_fields(self) -> tuple[dict[str, Any], bytes | None]:
+        fields, blob = super()._session_fields()
+        if self._notified:
+            fields["notify"] = True  # send each room's commit marker as an engine notification
+        return fields, blob
 
     def _wire_room(self, handle: TransferHandle) -> Any:
         """The room id this room's claim names at the prefill: its own here.
@@ -219,10 +228,12 @@ class DecodeEndpoint(RemoteEndpoint):
                 problem = None
                 rec.expected = True
                 rec.pages, rec.aux = pages, aux_index
-                # Not with an engine whose incoming writes need our polling (NIXL without its progress
-                # thread): once the room is done nothing would progress a marker still on its way, and
-                # the prefill's write of it would never end.
-                slot = None if self.markers is None or self.engine.receiver_progress else self.markers.take()
+                # Not written by an engine whose incoming writes need our polling (NIXL without its
+                # progress thread): once the room is done nothing would progress a marker still on its
+                # way, and the prefill's write of it would never end. Such an engine's marker comes
+                # as its notification, where it can (`_notified`).
+                marks = self.markers is not None and (self._notified or not self.engine.receiver_progress)
+                slot = self.markers.take() if marks and self.markers is not None else None
                 if slot is not None:
                     rec.marker = (slot, new_token())
                 row = step(wire.DECODE_TABLE, rec, "expect")
@@ -442,16 +453,38 @@ class DecodeEndpoint(RemoteEndpoint):
         assert markers is not None
         for rec in [rec for rec in self._watched if rec.marker is not None and markers.holds(*rec.marker)]:
             assert rec.marker is not None
-            nbytes, chunks = markers.counts(rec.marker[0])
-            row = step(wire.DECODE_TABLE, rec, "marker")
-            assert row is not None
-            rec.marked = True
-            self._track(rec)
-            self.remote_stats.marker_completions += 1
-            # Middle chunks whose CHUNK has not come yet count now (their bytes go with the last).
-            middle = max(0, min(chunks, wire.MAX_PAGES + 1) - 1 - rec.seen_chunks)
-            rest = max(0, min(nbytes, wire.MAX_GEN) - rec.seen_bytes)
-            fire.append(functools.partial(self._marked, rec.handle, middle, rest))
+            self._on_marker(rec, *markers.counts(rec.marker[0]), fire)
+
+    def _read_notifications(self, notes: list[tuple[str, bytes]], fire: Fire) -> None:
+        """Complete every watched room whose marker came as one of `notes` (lock held).
+
+        A notification counts only with the token this decode minted for a
+        room it still waits on, from the engine of that room's prefill; any
+        other (malformed, forged, late, repeated) is counted and dropped.
+        """
+        waiting = {rec.marker[1]: rec for rec in self._watched if rec.marker is not None}
+        for sender, message in notes:
+            parsed = parse_notification(message)
+            rec = None if parsed is None else waiting.pop(parsed[0], None)
+            if parsed is None or rec is None or rec.session.engine_id != sender:
+                if rec is not None:
+                    assert parsed is not None
+                    waiting[parsed[0]] = rec  # another engine named our token: the room still waits
+                self.remote_stats.notifications_dropped += 1
+                continue
+            self._on_marker(rec, parsed[1], parsed[2], fire)
+
+    def _on_marker(self, rec: RecvRecord, nbytes: int, chunks: int, fire: Fire) -> None:
+        """The room's own token came back: every byte landed, it succeeds (lock held)."""
+        row = step(wire.DECODE_TABLE, rec, "marker")
+        assert row is not None
+        rec.marked = True
+        self._track(rec)
+        self.remote_stats.marker_completions += 1
+        # Middle chunks whose CHUNK has not come yet count now (their bytes go with the last).
+        middle = max(0, min(chunks, wire.MAX_PAGES + 1) - 1 - rec.seen_chunks)
+        rest = max(0, min(nbytes, wire.MAX_GEN) - rec.seen_bytes)
+        fire.append(functools.partial(self._marked, rec.handle, middle, rest))
 
     def _copy_aux(self, rec: RecvRecord, frame: codec.Frame) -> bool:
         """Copy a DONE's aux bytes into the room's slot (lock held); False if they do not fit it.
@@ -506,19 +539,23 @@ class DecodeEndpoint(RemoteEndpoint):
 
     def _poll_engine(self, now: float) -> float | None:
         wait: float | None = None
+        fire: Fire = []
         if self.engine.receiver_progress and self._claimed:
+            notes: list[tuple[str, bytes]] = []
             try:
-                self.engine.progress()
+                notes = self.engine.progress()
             except Exception as exc:  # an engine that raises where it should report (NIXL's disconnects)
                 self.remote_stats.engine_errors += 1
                 logger.debug("kvfsm %s: engine progress raised: %s", self.name, exc)
+            if notes:
+                with self._lock:
+                    self._read_notifications(notes, fire)
             wait = _BUSY_TICK
-        if self._watched:
-            fire: Fire = []
+        if self._watched and not self._notified:
             with self._lock:
                 self._read_markers(fire)
-            for event in fire:
-                event()
             if self._watched:
                 wait = min(wait or 1.0, self.config.marker_poll_interval)
+        for event in fire:
+            event()
         return wait

@@ -240,6 +240,8 @@ class PrefillEndpoint(RemoteEndpoint):
             session.peer_sid, session.peer_key = frame["reply_sid"], frame["reply_key"]
             session.pools, session.refused = pools, problem
             session.markers = markers
+            # Only with an engine that carries notifications, and a region to check slots against.
+            session.notify = markers is not None and self.engine.notifies and frame["session"].get("notify") is True
             session.hello = (frame["session"], frame.blob)
             session.records = {}
             self._seen[session.sid] = SeenClaims()

@@ -60,7 +60,9 @@ Rule 14, in the order the code keeps it:
   written at that same point, just before DONE, and nowhere else; the aux
   slot then goes by the engine beside the last chunk's writes, and the
   marker's write counts against the budget and keeps the claim polled
-  until it ends (a marker that cannot go out leaves the room to DONE).
+  until it ends (a marker that cannot go out leaves the room to DONE). A
+  decode that asked for its markers as engine notifications gets one sent
+  at that same point instead: nothing of it is polled or budgeted.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._manager import TransferHandle
 from .._states import FailureKind, FailureReason, KVPoll
 from . import wire
-from ._markers import MARKER_BYTES, MarkerSlots
+from ._markers import MARKER_BYTES, MarkerSlots, notification
 from ._naps import precise_naps
 from ._remote_endpoint import RemoteConfig, RemoteStats, step
 from ._remote_engine import EngineAdapter, EngineBusy, EngineJob, PartialSubmit, Write, page_writes
@@ -151,7 +153,7 @@ class LaneOwner(Protocol):
 class Chunk:
     """One `send()` call: its source and destination pages, its writes still to submit, its jobs in flight."""
 
-    __slots__ = ("aux_src", "dst", "jobs", "last", "nbytes", "src", "tail", "todo")
+    __slots__ = ("aux_inline", "aux_src", "dst", "jobs", "last", "nbytes", "src", "tail", "todo")
 
     def __init__(self, src: list[int], dst: list[int], last: bool, aux_src: int | None, nbytes: int) -> None:
         self.src, self.dst, self.last, self.aux_src, self.nbytes = src, dst, last, aux_src, nbytes
@@ -160,6 +162,8 @@ class Chunk:
         self.todo: deque[Write] | None = None
         # The last chunk's aux slot, when the engine must write it (device memory), goes after every KV write.
         self.tail: Submitted | None = None
+        # ... or among the chunk's own writes, when a commit marker completes the room (`_aux_rides_along`).
+        self.aux_inline = False
 
     @property
     def waiting(self) -> bool:
@@ -643,7 +647,12 @@ class Lane:
             if claim.stopped or handle.is_terminal:
                 return 0  # rule 14: nothing more for a room that ended, whatever the notices say
             if chunk.todo is None:
-                chunk.todo = deque(self.owner._kv_writes(self, chunk.src, chunk.dst))
+                writes = self.owner._kv_writes(self, chunk.src, chunk.dst)
+                if chunk.last and self._aux_rides_along(claim):
+                    assert claim.aux_src is not None and claim.aux is not None
+                    writes += page_writes(pools.aux, peer.pools.aux, [(claim.aux_src, claim.aux, 1)])
+                    chunk.aux_inline = True
+                chunk.todo = deque(writes)
                 if not chunk.todo:
                     continue
             todo = chunk.todo
@@ -660,7 +669,14 @@ class Lane:
                     chunk.todo.extendleft(reversed(writes))  # the engine was busy: these go again
                 return 0
             chunk.jobs.append(submitted)
-            if chunk.last and not chunk.todo and chunk.tail is None and self._marks(claim) and claim.aux is not None:
+            if (
+                chunk.last
+                and not chunk.todo
+                and chunk.tail is None
+                and not chunk.aux_inline
+                and self._marks(claim)
+                and claim.aux is not None
+            ):
                 # The marker, not the order of writes, commits the room: the aux slot need not wait.
                 self._submit_tail(claim, chunk)
             return submitted.writes
@@ -682,7 +698,7 @@ class Lane:
         if aux_src is not None and claim.aux is not None:
             if self._aux_in_done(claim):
                 blob = b"".join(ctypes.string_at(r.ptr + aux_src * r.page_nbytes, r.page_nbytes) for r in pools.aux)
-            else:
+            elif not chunk.aux_inline:
                 if chunk.tail is None:
                     if claim.stopped or handle.is_terminal:
                         return True
@@ -708,6 +724,19 @@ class Lane:
         chunk.tail = tail
         return True
 
+    def _aux_rides_along(self, claim: Claim) -> bool:
+        """Whether the last chunk's aux slot goes in that chunk's own writes, not as a job after them.
+
+        Only when a commit marker completes the room (the order of the writes
+        then proves nothing; the marker after all of them does), and the aux
+        slots are in the same kind of memory as the pages on both sides, so
+        that one engine job can carry them (one NIXL transfer, not two).
+        """
+        pools, theirs = self.owner.pools, claim.session.pools
+        if not self._marks(claim) or claim.aux is None or claim.aux_src is None or pools is None or theirs is None:
+            return False
+        return all(len({r.device for r in (*side.kv, *side.aux)}) == 1 for side in (pools, theirs))
+
     def _marks(self, claim: Claim) -> bool:
         """Whether this claim's room completes on a commit marker we write (its aux then goes by the engine)."""
         return claim.marker is not None and self.owner.markers is not None
@@ -724,6 +753,10 @@ class Lane:
         stats = self.owner.remote_stats
         if claim.marker is None or markers is None:
             return
+        address, token = claim.marker
+        if claim.session.notify:
+            self._notify_marker(claim, token, nbytes, chunks)
+            return
         if claim.session.writes_in_flight >= self.budget:
             stats.markers_missed += 1  # the budget holds for markers too; DONE is on its way
             return
@@ -731,7 +764,6 @@ class Lane:
         if source is None:
             stats.markers_missed += 1
             return
-        address, token = claim.marker
         markers.write(source, token, nbytes, chunks)
         try:
             with self._calling("submit of the commit marker"):
@@ -744,6 +776,18 @@ class Lane:
         claim.marker_src = source
         claim.marker_job = Submitted(job, 1)
         claim.session.writes_in_flight += 1
+
+    def _notify_marker(self, claim: Claim, token: int, nbytes: int, chunks: int) -> None:
+        """The marker as the engine's notification (`_markers`): nothing to poll, nothing in flight after."""
+        stats = self.owner.remote_stats
+        try:
+            with self._calling("notification of the commit marker"):
+                self.owner.engine.notify(self.target, notification(token, nbytes, chunks))
+        except Exception as exc:
+            stats.markers_missed += 1
+            logger.debug("kvfsm %s room %r: the commit marker was not sent: %s", self.owner.name, claim.room, exc)
+            return
+        stats.markers_written += 1
 
     def _poll_marker(self, claim: Claim) -> None:
         """Poll the commit marker's write; once it ended, free its source slot (unless it may still be read)."""

@@ -60,6 +60,7 @@ class Session:
         "lane",
         "last_seen",
         "markers",
+        "notify",
         "peer_key",
         "peer_sid",
         "pools",
@@ -82,6 +83,8 @@ class Session:
         self.pools: KVPools | None = None
         # Prefill side: the decode's commit-marker region (ptr, slots), if it named one (`_markers`).
         self.markers: tuple[int, int] | None = None
+        # ... and whether it wants them as engine notifications instead of written (`_markers`).
+        self.notify = False
         self.engine_id: str | None = None
         # A prefill keeps the HELLO's engine session until the decode confirms (see the prefill half).
         self.hello: tuple[dict[str, Any], bytes | None] | None = None

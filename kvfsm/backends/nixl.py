@@ -129,6 +129,7 @@ class NixlEngine(EngineAdapter):
 
     name = "nixl"
     receiver_progress = True
+    notifies = True
 
     def __init__(
         self, *, agent_name: str | None = None, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False
@@ -234,19 +235,30 @@ class NixlEngine(EngineAdapter):
                 raise BackendError(f"NIXL transfer() of {detail} returned ERR")
         return _XferJob(self, handle, detail)
 
-    def progress(self) -> None:
-        # Reading notifications progresses the agent; kvfsm sends none, so any that come are not ours.
+    def progress(self) -> list[tuple[str, bytes]]:
+        # Reading notifications progresses the agent; what they say is the decode's to check.
         try:
             with self.lock:
                 notes = self.agent.get_new_notifs()
         except Exception as exc:  # a peer's disconnect surfaces here too: nothing of ours to fail
             logger.debug("NIXL get_new_notifs raised %s: %s", type(exc).__name__, exc)
-            return
-        if notes:
-            logger.debug(
-                "NIXL notifications from %s ignored (kvfsm completes rooms over its control plane, or on commit markers it writes)",
-                list(notes),
-            )
+            return []
+        if not notes:
+            return []
+        return [
+            (agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent), bytes(message))
+            for agent, messages in notes.items()
+            for message in messages
+        ]
+
+    def notify(self, target: Any, message: bytes) -> None:
+        # UCX sends the notification on the endpoint the room's writes went by, after them. With
+        # no progress thread nothing else moves it out once the room's jobs ended: progress once
+        # here (a short message leaves then); one still queued goes at the next poll, and the
+        # room's DONE completes it meanwhile.
+        with self.lock:
+            self.agent.send_notif(target[0], message)
+            self.agent.get_new_notifs()
 
     def close(self) -> None:
         with self.lock:

@@ -270,6 +270,7 @@ class _Endpoint:
             "jobs_submitted": remote.jobs_submitted,
             "marker_completions": remote.marker_completions,
             "markers_written": remote.markers_written,
+            "notifications_dropped": remote.notifications_dropped,
             "peers_lost": remote.peers_lost,
             "late_events": self.manager.stats.late_events,
             "control_running": self.backend.control.running,

@@ -72,13 +72,17 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vs_sglang", BENCH)
+def _load_module(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["vs_sglang"] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _load_bench() -> ModuleType:
+    return _load_module("vs_sglang", BENCH)
 
 
 def _report(rooms: dict[int, tuple[float, float, bool]], cpu: float) -> dict[str, Any]:
@@ -211,6 +215,31 @@ def test_kvfsm_alone_every_request_succeeds_every_byte_checked(tmp_path: Path) -
     pids = [pid for row in rows.values() for pid in row["pids"]]
     assert len(pids) == 4
     assert not any(_alive(p) for p in pids), "the benchmark returned with its children alive"
+
+
+def test_trace_marks_every_step_of_the_critical_path_in_both_processes(tmp_path: Path) -> None:
+    """`--trace`: every step of `_trace.STEPS` is marked for the one-page rooms, and the steps add up.
+
+    The last step's median is the critical path's own median (the same rooms,
+    the same end), so a probe that no longer fires, or marks other rooms,
+    shows here; a probe whose method moved fails the case outright.
+    """
+    steps = _load_module("_trace", BENCH.with_name("_trace.py")).STEPS
+    done, data = _bench(tmp_path, "--trace", "--no-raw", "--cases", "lat,2", *SMALL, "--latency-requests", "8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["case"]: row for row in data["results"]}
+    lat = rows["lat"]
+    assert lat["ok"] == lat["requests"] == 8, lat
+    # Every step but the commit marker's (off by default) is marked.
+    assert set(lat["trace"]) == {step for step, _ in steps if "marker" not in step}
+    assert lat["trace"]["last send() called"] == 0.0
+    assert lat["trace"]["scheduler loop saw Success"] == pytest.approx(lat["critical_p50_s"])
+    # Each process's own steps come in the order it takes them.
+    for side in ("prefill", "decode"):
+        own = [lat["trace"][step] for step, process in steps if process == side and step in lat["trace"]]
+        assert own == sorted(own), (side, lat["trace"])
+    assert rows["2"]["trace"] == {}  # only the one-page case is traced
+    assert "where the critical path goes, kvfsm over Mooncake" in done.stdout
 
 
 def test_no_check_says_so_and_claims_no_checked_bytes(tmp_path: Path) -> None:

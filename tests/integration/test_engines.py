@@ -119,17 +119,19 @@ def test_chunked_transfer_with_scattered_pages(pair: Pair) -> None:
     pair.close(room)
 
 
-def test_rooms_complete_on_their_commit_markers_over_mooncake() -> None:
-    """Completion on the data plane, real engine: each room's marker lands after its writes, every byte is there.
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rooms_complete_on_their_commit_markers(engine: str) -> None:
+    """Completion on the data plane, real engine: each room's marker comes after its writes, every byte is there.
 
-    With DONE held back by nothing, the marker and DONE race; the decode
-    counts which one completed each room. At least one room must have
-    completed on its marker (on this machine nearly all do, the marker
-    being one small write against DONE's ZeroMQ trip and handling), and
-    every room, however it completed, holds exactly what was sent.
+    Over Mooncake the marker is written into the decode's slot; over NIXL it
+    is sent as NIXL's notification. With DONE held back by nothing, the
+    marker and DONE race; the decode counts which one completed each room.
+    At least one room must have completed on its marker (on this machine
+    nearly all do), every room, however it completed, holds exactly what
+    was sent, and no notification is dropped (each carried its room's token).
     """
-    _skip_if_missing("mooncake")
-    pair = Pair("mooncake", markers=True)
+    _skip_if_missing(engine)
+    pair = Pair(engine, markers=True)
     try:
         for index in range(12):
             room = next(_rooms)
@@ -149,6 +151,7 @@ def test_rooms_complete_on_their_commit_markers_over_mooncake() -> None:
         # A DONE that follows its marker is dropped quietly while the room is open; one that arrives after
         # close() finds no record and is stale, as any late frame. Nothing else may be stale here.
         assert decode_stats["stale_messages"] <= decode_stats["marker_completions"], decode_stats
+        assert decode_stats["notifications_dropped"] == 0, decode_stats
     finally:
         pair.stop()
 

@@ -34,9 +34,10 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 from kvfsm.backends import control
 
 
-# Mooncake once more with completion on the data plane (commit markers; NIXL without its
-# progress thread takes none): every attack below also runs against that path.
-@pytest.fixture(params=[*ENGINES, "mooncake+markers"])
+# Each engine once more with completion on the data plane (commit markers: written into the
+# decode's slot over Mooncake, sent as NIXL's notification over NIXL): every attack below also
+# runs against that path.
+@pytest.fixture(params=[*ENGINES, "mooncake+markers", "nixl+markers"])
 def fresh(request: pytest.FixtureRequest) -> Iterator[Pair]:
     engine, _, markers = str(request.param).partition("+")
     _skip_if_missing(engine)

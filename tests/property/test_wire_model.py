@@ -53,7 +53,7 @@ pytest.importorskip("torch", reason="torch is needed for the KV pools")
 import kvfsm
 from kvfsm import KVPoll
 from kvfsm.backends import _markers, _remote_sender, _remote_writer, codec
-from tests.wire_sim import AUX_SLOTS, CONFIG, PAGES, SimBackend, World
+from tests.wire_sim import AUX_SLOTS, CONFIG, PAGES, NotifyingSimEngine, SimBackend, World
 
 ROOM_IDS = (1, 2, 3)
 #: Writes in flight to one decode (small, so the model reaches back-pressure with a few pages).
@@ -102,10 +102,12 @@ def _jobs(claim: Any) -> list[Any]:
 
 class WireModel(RuleBasedStateMachine):
     config = attrs.evolve(CONFIG, max_writes_in_flight=BUDGET)
+    #: The engine carries notifications (as NIXL): commit markers travel as those.
+    notifying = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.world = World(self.config)
+        self.world = World(self.config, notifying=self.notifying)
         for endpoint in self.world.endpoints:
             endpoint.defer_notices = True
         self.requests: list[Request] = []
@@ -599,6 +601,36 @@ def _is_marker(job: Any) -> bool:
 TestWireModelWithMarkers = WireModelWithMarkers.TestCase
 
 
+class WireModelWithNotifiedMarkers(WireModelWithMarkers):
+    """Markers as the engine's notifications (NIXL's way), and notifications an attacker forges."""
+
+    notifying = True
+
+    @precondition(lambda self: bool(self.world.decodes[0].decode._watched))
+    @rule(data=st.data(), sender=st.sampled_from(["own token, another engine", "another token, the prefill's engine"]))
+    def forge_a_notification(self, data: st.DataObject, sender: str) -> None:
+        """A marker notification for a waiting room that is not the prefill's: it must complete nothing."""
+        decode = self.world.decodes[0]
+        waiting = sorted(decode.decode._watched, key=lambda rec: rec.gen)
+        rec = waiting[data.draw(st.integers(0, len(waiting) - 1))]
+        assert rec.marker is not None
+        token = rec.marker[1]
+        prefill_engine = self.world.prefill.engine
+        assert isinstance(prefill_engine, NotifyingSimEngine) and isinstance(decode.engine, NotifyingSimEngine)
+        if sender == "own token, another engine":
+            forged = ("engine-sim://decode1", _markers.notification(token, 1 << 20, 1))
+        else:
+            forged = (prefill_engine.engine_id, _markers.notification(token ^ 1, 1 << 20, 1))
+        before = decode.remote_stats.notifications_dropped
+        self.world.net.notes.setdefault(decode.engine.engine_id, []).append(forged)
+        self._decodes_look()
+        # Dropped and counted; had it completed the room, the invariants would find bytes missing.
+        assert decode.remote_stats.notifications_dropped == before + 1
+
+
+TestWireModelWithNotifiedMarkers = WireModelWithNotifiedMarkers.TestCase
+
+
 # -- the model catches the defects it exists for ---------------------------------------------------
 
 
@@ -685,3 +717,34 @@ def test_the_model_catches_a_commit_marker_written_after_a_failed_write() -> Non
 
     with patched(_remote_writer.Lane, "_write_failed", marker_anyway):
         _model_fails(WireModelWithMarkers)
+
+
+def test_the_model_catches_a_marker_notified_after_a_failed_write() -> None:
+    """The same defect with the marker sent as the engine's notification (NIXL's way)."""
+    original = _remote_writer.Lane._write_failed
+
+    def marker_anyway(self: _remote_writer.Lane, claim: Any, message: str) -> None:
+        if claim.marker is not None:
+            self._write_marker(claim, 0, 1)
+        original(self, claim, message)
+
+    with patched(_remote_writer.Lane, "_write_failed", marker_anyway):
+        _model_fails(WireModelWithNotifiedMarkers)
+
+
+def test_the_model_catches_a_notification_taken_from_any_engine() -> None:
+    """A decode that takes a marker notification by its token alone, from whichever engine sent it."""
+    from kvfsm.backends._remote_receiver import DecodeEndpoint
+
+    def token_only(self: DecodeEndpoint, notes: list[tuple[str, bytes]], fire: Any) -> None:
+        waiting = {rec.marker[1]: rec for rec in self._watched if rec.marker is not None}
+        for _sender, message in notes:
+            parsed = _markers.parse_notification(message)
+            rec = None if parsed is None else waiting.pop(parsed[0], None)
+            if parsed is None or rec is None:
+                self.remote_stats.notifications_dropped += 1
+                continue
+            self._on_marker(rec, parsed[1], parsed[2], fire)
+
+    with patched(DecodeEndpoint, "_read_notifications", token_only):
+        _model_fails(WireModelWithNotifiedMarkers)

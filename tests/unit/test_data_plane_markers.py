@@ -10,7 +10,10 @@ a forged or stale token in the slot completes nothing; a claim naming a
 slot the decode does not have is refused, not written to; a HELLO naming a
 malformed marker region is refused; a ROOM whose marker field is malformed
 is dropped by the codec; the writes land before the marker (aux slot
-included); with no source slot free the room still completes by DONE.
+included); with no source slot free the room still completes by DONE. Over an engine
+that carries notifications (NIXL) the marker is one, and the same attacks
+run against it: forged, truncated, repeated and late notifications, a
+notification from another engine that knows the token, a failed write.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import kvfsm
 from kvfsm import FailureKind, KVPoll
 from kvfsm.backends import _markers, codec
-from tests.wire_sim import CONFIG, World
+from tests.wire_sim import CONFIG, NotifyingSimEngine, World
 
 MARKED = attrs.evolve(CONFIG, completion_markers=True)
 
@@ -179,3 +182,148 @@ def test_markers_from_fields_takes_a_region_or_nothing() -> None:
     for bad in ([0, 8], [4096, 0], [4096], "4096,8", [4096, 1 << 21], [4096.0, 8]):
         with pytest.raises(TypeError, match=r"session\.markers"):
             _markers.markers_from_fields(bad)
+
+
+# -- markers as the engine's notifications (NIXL's way) ------------------------------------------
+
+
+@pytest.fixture
+def notified() -> Iterator[World]:
+    world = World(MARKED, decodes=2, notifying=True)
+    world.prefill_pools.k.fill_(3)
+    world.prefill_pools.v.fill_(4)
+    world.prefill_pools.aux.fill_(7)
+    yield world
+    for endpoint in world.endpoints:
+        endpoint.close()
+
+
+def _engine(backend: object) -> NotifyingSimEngine:
+    engine = backend.engine  # type: ignore[attr-defined]
+    assert isinstance(engine, NotifyingSimEngine)
+    return engine
+
+
+def test_a_notified_marker_completes_the_room_and_nothing_is_written_into_the_slot(notified: World) -> None:
+    world = notified
+    prefill, decode = world.open_pair(11, [0, 1])
+    slot, token = _record(world, decode).marker  # type: ignore[attr-defined]
+    world.prefill.send(prefill, [0, 1], last=True, aux_index=2)
+    _write_all_but_deliver_nothing(world)
+    assert prefill.state is KVPoll.Success and decode.state is KVPoll.WaitingForInput
+    # One notification, to the decode's engine, carrying the slot's three words; no 24-byte write.
+    decode_engine = _engine(world.decodes[0]).engine_id
+    assert _engine(world.prefill).notified == [(decode_engine, _markers.notification(token, prefill.nbytes, 1))]
+    assert all(length != _markers.MARKER_BYTES for _src, _dst, length in world.prefill.sim_engine.submitted)
+    _look(world)
+    assert _state(decode) is KVPoll.Success and decode.nbytes == prefill.nbytes
+    pools, source = world.decode_pools[0], world.prefill_pools
+    assert torch.equal(pools.k[[0, 1]], source.k[[0, 1]]) and torch.equal(pools.aux[3], source.aux[2])
+    markers = world.decodes[0].decode.markers
+    assert markers is not None and not markers.holds(slot, token)  # the slot itself was never written
+    stats = world.decodes[0].remote_stats
+    assert (stats.marker_completions, stats.notifications_dropped) == (1, 0)
+    world.net.deliver_all()
+    assert stats.stale_messages == 0 and _state(decode) is KVPoll.Success
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    ["another engine", "another token", "truncated", "wrong prefix", "token zero", "empty"],
+)
+def test_a_forged_notification_completes_nothing(notified: World, forgery: str) -> None:
+    world = notified
+    prefill, decode = world.open_pair(12, [2])
+    token = _record(world, decode).marker[1]  # type: ignore[attr-defined]
+    good = _markers.notification(token, 1 << 20, 1)
+    sender, message = _engine(world.prefill).engine_id, good
+    if forgery == "another engine":
+        sender = _engine(world.decodes[1]).engine_id  # another decode of the same prefill, knowing the token
+    elif forgery == "another token":
+        message = _markers.notification(token ^ 1, 1 << 20, 1)
+    elif forgery == "truncated":
+        message = good[:-1]
+    elif forgery == "wrong prefix":
+        message = b"x" + good[1:]
+    elif forgery == "token zero":
+        message = _markers.notification(0, 1 << 20, 1)
+    else:
+        message = b""
+    world.net.notes.setdefault(_engine(world.decodes[0]).engine_id, []).append((sender, message))
+    _look(world)
+    assert decode.state is KVPoll.WaitingForInput
+    assert world.decodes[0].remote_stats.notifications_dropped == 1
+    # The room still completes on its own marker once its writes landed.
+    world.prefill.send(prefill, [2], last=True, aux_index=1)
+    _write_all_but_deliver_nothing(world)
+    _look(world)
+    assert decode.state is KVPoll.Success
+    assert world.decodes[0].remote_stats.marker_completions == 1
+
+
+def test_a_failed_write_is_never_followed_by_a_notification(notified: World) -> None:
+    world = notified
+    prefill, decode = world.open_pair(13, [3, 4])
+    world.prefill.send(prefill, [3], last=False)
+    world.prefill.send(prefill, [4], last=True, aux_index=1)
+    for _ in range(3):
+        world.pump()  # a claim submits one slice a turn: both chunks go out
+    jobs = list(world.prefill.sim_engine.inflight)
+    assert len(jobs) == 2
+    jobs[0].fail()
+    jobs[1].complete()
+    for _ in range(4):
+        world.pump()
+    assert prefill.state is KVPoll.Failed
+    assert _engine(world.prefill).notified == []
+    world.settle()
+    assert decode.state is KVPoll.Failed
+    assert world.decodes[0].remote_stats.marker_completions == 0
+
+
+def test_a_repeated_or_late_notification_completes_nothing_more(notified: World) -> None:
+    world = notified
+    prefill, decode = world.open_pair(14, [5])
+    world.prefill.send(prefill, [5], last=True, aux_index=1)
+    _write_all_but_deliver_nothing(world)
+    ((_to, sent),) = _engine(world.prefill).notified
+    mine = _engine(world.decodes[0]).engine_id
+    world.net.notes.setdefault(mine, []).append((_engine(world.prefill).engine_id, sent))  # a duplicate
+    _look(world)
+    stats = world.decodes[0].remote_stats
+    assert decode.state is KVPoll.Success
+    assert (stats.marker_completions, stats.notifications_dropped) == (1, 1)
+    world.settle()
+    world.decode_managers[0].close(14)
+    world.prefill_manager.close(14)
+    # The next room of the same decode, and the earlier room's notification once more, late.
+    prefill, decode = world.open_pair(15, [6])
+    world.net.notes.setdefault(mine, []).append((_engine(world.prefill).engine_id, sent))
+    _look(world)
+    assert decode.state is KVPoll.WaitingForInput and stats.notifications_dropped == 2
+
+
+def test_a_decode_that_asks_for_notifications_from_a_prefill_whose_engine_has_none_gets_writes(world: World) -> None:
+    """`notify` in a HELLO is a request, not an order: a prefill whose engine cannot notify writes the marker."""
+    original = world.decodes[0].decode._session_fields
+
+    def asking(self: object = None) -> tuple[dict[str, object], bytes | None]:
+        fields, blob = original()
+        return {**fields, "notify": True}, blob
+
+    world.decodes[0].decode._session_fields = asking  # type: ignore[method-assign]
+    prefill, decode = world.open_pair(16, [7])
+    world.prefill.send(prefill, [7], last=True, aux_index=1)
+    _write_all_but_deliver_nothing(world)
+    _look(world)
+    assert decode.state is KVPoll.Success
+    assert world.prefill.remote_stats.markers_written == 1
+    assert any(length == _markers.MARKER_BYTES for _src, _dst, length in world.prefill.sim_engine.submitted)
+
+
+def test_notifications_round_trip_and_refuse_what_is_not_one() -> None:
+    note = _markers.notification(5, 1 << 40, 3)
+    assert len(note) == _markers.NOTE_BYTES
+    assert _markers.parse_notification(note) == (5, 1 << 40, 3)
+    for bad in (note[:-1], note + b"\0", b"", note.replace(b"kvfsm", b"KVFSM"), _markers.notification(0, 0, 0)):
+        assert _markers.parse_notification(bad) is None

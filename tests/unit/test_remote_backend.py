@@ -171,11 +171,13 @@ def test_pages_land_in_order_and_the_aux_slot_last(markers: bool) -> None:
         jobs = pair.engine.jobs
         assert [w[2] for w in jobs[0].writes] == [2 * 1024] * 4
         if markers:
-            # The aux slot goes by the engine beside the last chunk, and the commit marker
-            # (24 bytes into the decode's marker slot) only after every other write ended.
-            assert wait_for(lambda: len(jobs) == 4 and jobs[3].copied)
-            assert [len(job.writes) for job in jobs] == [4, 4, 1, 1]
-            assert jobs[3].writes[0][2] == 24
+            # The aux slot goes by the engine in the last chunk's own job (host memory like the
+            # pages, on both sides: one job carries both), and the commit marker (24 bytes into
+            # the decode's marker slot) only after every other write ended.
+            assert wait_for(lambda: len(jobs) == 3 and jobs[2].copied)
+            assert [len(job.writes) for job in jobs] == [4, 5, 1]
+            assert jobs[1].writes[4][2] == 32  # the aux slot (32 bytes here)
+            assert jobs[2].writes[0][2] == 24
             assert all(job.copied for job in jobs)
         else:
             # The aux slot (host memory on both sides) travels inside DONE: no engine write for it.
