@@ -606,6 +606,20 @@ class WireModelWithNotifiedMarkers(WireModelWithMarkers):
 
     notifying = True
 
+    @rule()
+    def pump(self) -> None:
+        """As in the base model, and the decodes poll their engine at once (every 100 us, before a frame's trip)."""
+        super().pump()
+        self._decodes_look()
+
+    @precondition(lambda self: bool(self.world.prefill.sim_engine.inflight))
+    @rule(data=st.data())
+    def a_write_fails_and_the_decode_polls_first(self, data: st.DataObject) -> None:
+        """A write fails, the lane sees it, and the decode polls its engine before any frame crosses."""
+        jobs = self.world.prefill.sim_engine.inflight
+        jobs[data.draw(st.integers(0, len(jobs) - 1))].fail()
+        self.pump()
+
     @precondition(lambda self: bool(self.world.decodes[0].decode._watched))
     @rule(data=st.data(), sender=st.sampled_from(["own token, another engine", "another token, the prefill's engine"]))
     def forge_a_notification(self, data: st.DataObject, sender: str) -> None:
