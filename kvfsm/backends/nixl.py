@@ -17,7 +17,12 @@ writes may still land; the writer then fails that job's room and nothing
 else (issue 22, item 7). Completion travels on the control plane like every engine's
 (DONE, with the aux bytes when both aux pools are host memory), so a room
 reaches Success on the decode only after the prefill saw every write end
-and checked its room (rule 14). On abort, in-flight handles are released,
+and checked its room (rule 14). With completion markers (on by default
+here: `RemoteConfig.completion_markers=None` leaves it to the engine) the
+prefill, at that same point, also sends the room's marker as a NIXL
+notification (`send_notif`), which the decode's control thread reads where
+it polls the agent anyway (`get_new_notifs`), so the room succeeds without
+waiting for DONE's trip over ZeroMQ (`_markers` says what is checked). On abort, in-flight handles are released,
 which asks NIXL to cancel; a handle NIXL cannot cancel yet is kept and
 polled until it ends, and only then is the room reported drained.
 
