@@ -257,7 +257,7 @@ def test_a_forged_notification_completes_nothing(notified: World, forgery: str) 
     world.prefill.send(prefill, [2], last=True, aux_index=1)
     _write_all_but_deliver_nothing(world)
     _look(world)
-    assert decode.state is KVPoll.Success
+    assert _state(decode) is KVPoll.Success
     assert world.decodes[0].remote_stats.marker_completions == 1
 
 
