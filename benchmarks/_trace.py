@@ -22,8 +22,11 @@ The steps, in order (`STEPS`):
   saw it. A room that completed on its marker has its DONE steps after
   `Success` (DONE still follows), and they are printed where they fall.
 
-These names are internal and may move: `tests/unit/test_trace_probes.py`
-fails when a wrapped method is gone, so the trace cannot silently go empty.
+These names are internal and may move: a wrapped method that is gone
+fails the traced case (`KeyError` naming it), and
+`tests/integration/test_bench_vs_sglang.py` checks that every step is
+marked and that the steps add up to the critical path, so the trace cannot
+silently go empty.
 """
 
 from __future__ import annotations

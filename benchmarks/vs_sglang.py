@@ -76,7 +76,10 @@ in a process of its own and, in both processes, a thread doing what the
 loop above does when nothing concluded (glance at the requests, nap
 ``--poll-sleep``): the kvfsm and SGLang rows run beside that loop, the bare
 row does not, and on a small machine that alone moves the engine's figure
-(``docs/performance.md``). ``--no-raw`` skips them. The goals of issue 23 are
+(``docs/performance.md``). ``--no-raw`` skips them. ``--trace`` marks each
+step of kvfsm's one-page critical path inside kvfsm's own calls, in both
+processes (``benchmarks/_trace.py``), and prints each step's median time
+after the last ``send()``. The goals of issue 23 are
 printed below issue 12's, each a ratio within a round, with the range over
 the rounds.
 
