@@ -253,7 +253,14 @@ def test_a_client_disconnecting_mid_transfer_ends_the_request_and_frees_its_kv(
     assert not thread.is_alive(), f"the {stays.name}'s request did not end after the {side} client left"
     ended = time.monotonic() - gone
     answer = other["answer"]
-    if side == "decode" or answer.get("status") != 200:
+    if side == "decode" and answer.get("status") == 200:
+        # The prefill sent its last chunk and saw every write land before the decode's abort
+        # reached it (under CI load the 47 chunks can finish while the decode's server notices
+        # its client left): a prefill answers its one token then, and the decode's pages are
+        # freed below all the same. A prefill that never ended would have hung the join above.
+        assert answer["meta_info"]["finish_reason"] is not None and len(answer["output_ids"]) == 1, answer
+        outcome = "the prefill's transfer had completed before the decode's abort came: it answered 200"
+    elif side == "decode" or answer.get("status") != 200:
         # The request failed on the side whose client stayed: with the abort's reason, not a hang.
         assert answer.get("status") == 500, answer
         assert re.search(r"ABORTED|Abort", answer.get("message", "")), answer
