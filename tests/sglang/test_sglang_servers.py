@@ -38,7 +38,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,13 +204,54 @@ def test_eight_concurrent_requests_all_correct(cluster: Cluster, figures: Figure
     )
 
 
-def _until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+def _until(condition: Callable[[], bool], timeout: float, what: str, servers: Sequence[sv.Server] = ()) -> float:
+    """Seconds until `condition` holds; past `timeout`, an error with the last lines of each of `servers`' logs."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
+            logs = "".join(f"\n--- {server.name}'s log, last lines:\n{server.log_tail(40)}" for server in servers)
+            raise AssertionError(f"{what} did not happen within {timeout:.0f}s{logs}")
         time.sleep(0.005)
     return time.monotonic() - start
+
+
+#: Fresh prompts (no prefix cache hit on the prefill) for the attempts of one disconnect case.
+DISCONNECT_ATTEMPTS = 3
+
+
+class _Disconnect:
+    """One request whose `side`'s client leaves once the prefill is seen computing it (or the request past it)."""
+
+    def __init__(self, cluster: Cluster, side: str, input_ids: list[int]) -> None:
+        p, d = cluster.prefill, cluster.decode
+        self.stays, leaves = (p, d) if side == "decode" else (d, p)
+        self.before = cluster.baseline()
+        payload = sv.request(input_ids, 64, prefill=p, room=sv.new_room())
+        self.answer: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: self.answer.update(self.stays.generate(payload)))
+        thread.start()
+        client = sv.StreamingClient(leaves, payload)
+        try:
+            # Mid-transfer: the prefill computes (and sends, chunk by chunk) while the decode holds the pages.
+            def mid_transfer() -> bool:
+                if side == "decode" and not d.kv_usage().queues.get("decode_transfer_queue_reqs", 0):
+                    return False
+                return p.kv_usage().used > 0
+
+            def past_transfer() -> bool:
+                return not thread.is_alive() or d.kv_usage().running > 0
+
+            self.waited = _until(
+                lambda: mid_transfer() or past_transfer(), 60.0, "the prefill computing the prompt", (p, d)
+            )
+            self.at_disconnect = (p.kv_usage(), d.kv_usage())
+            self.in_window = self.at_disconnect[0].used > 0 and not past_transfer()
+        finally:
+            client.disconnect()
+        self.gone = time.monotonic()
+        thread.join(sv.REQUEST_TIMEOUT_S)
+        assert not thread.is_alive(), f"the {self.stays.name}'s request did not end after the {side} client left"
+        self.ended = time.monotonic() - self.gone
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
@@ -225,34 +266,27 @@ def test_a_client_disconnecting_mid_transfer_ends_the_request_and_frees_its_kv(
     holds its pages for the transfer (its transfer queue has the request).
     Streaming requests: SGLang aborts those at once when their client goes
     away.
+
+    The prefill computes the prompt in about a second, and under load the
+    polls of `/v1/loads` can miss all of it: the request is then seen past
+    its transfer (the decode running it, or the other side's answer in). That
+    attempt proves nothing about a disconnect mid-transfer and is made again
+    with a fresh prompt, up to `DISCONNECT_ATTEMPTS` times; a request that
+    neither computes nor ends fails after 60 s with both servers' logs.
     """
     p, d = cluster.prefill, cluster.decode
-    input_ids = prompt(1500, 100 + (side == "prefill"))  # a fresh prompt: no prefix cache hit on the prefill
-    before_p, before_d = cluster.baseline()
-    payload = sv.request(input_ids, 64, prefill=p, room=sv.new_room())
-    other: dict[str, dict[str, Any]] = {}
-    stays, leaves = (p, d) if side == "decode" else (d, p)
-    thread = threading.Thread(target=lambda: other.setdefault("answer", stays.generate(payload)))
-    thread.start()
-    client = sv.StreamingClient(leaves, payload)
-    try:
-        # Mid-transfer: the prefill computes (and sends, chunk by chunk) while the decode holds the pages.
-        if side == "decode":
-            waited = _until(
-                lambda: d.kv_usage().queues.get("decode_transfer_queue_reqs", 0) > 0 and p.kv_usage().used > 0,
-                60.0,
-                "the prefill computing while the decode holds the pages",
-            )
-        else:
-            waited = _until(lambda: p.kv_usage().used > 0, 60.0, "the prefill computing the prompt")
-        at_disconnect = (p.kv_usage(), d.kv_usage())
-    finally:
-        client.disconnect()
-    gone = time.monotonic()
-    thread.join(sv.REQUEST_TIMEOUT_S)
-    assert not thread.is_alive(), f"the {stays.name}'s request did not end after the {side} client left"
-    ended = time.monotonic() - gone
-    answer = other["answer"]
+    for attempt in range(DISCONNECT_ATTEMPTS):
+        input_ids = prompt(1500, 100 + 10 * attempt + (side == "prefill"))
+        run = _Disconnect(cluster, side, input_ids)
+        if run.in_window:
+            break
+        sv.wait_usage(p, run.before[0], 30.0, f"after attempt {attempt + 1} (the window missed)")
+        sv.wait_usage(d, run.before[1], 30.0, f"after attempt {attempt + 1} (the window missed)")
+    else:
+        pytest.fail(
+            f"{DISCONNECT_ATTEMPTS} attempts, each seen past its transfer before the prefill was seen computing"
+        )
+    (before_p, before_d), stays, answer, at_disconnect = run.before, run.stays, run.answer, run.at_disconnect
     if side == "decode" and answer.get("status") == 200:
         # The prefill sent its last chunk and saw every write land before the decode's abort
         # reached it (under CI load the 47 chunks can finish while the decode's server notices
@@ -272,10 +306,10 @@ def test_a_client_disconnecting_mid_transfer_ends_the_request_and_frees_its_kv(
     after_p, freed_p = sv.wait_usage(p, before_p, 30.0, f"after the {side} client left")
     after_d, freed_d = sv.wait_usage(d, before_d, 30.0, f"after the {side} client left")
     figures(
-        f"{side} client left {waited:.2f}s after the request (prefill KV used {at_disconnect[0].used}, decode "
-        f"{at_disconnect[1].used} tokens then); the other request ended {ended:.2f}s later; {outcome}; KV used "
-        f"prefill {before_p.used}->{after_p.used} (in {freed_p:.1f}s), decode {before_d.used}->{after_d.used} "
-        f"(in {freed_d:.1f}s)"
+        f"{side} client left {run.waited:.2f}s after the request (attempt {attempt + 1} of {DISCONNECT_ATTEMPTS}; "
+        f"prefill KV used {at_disconnect[0].used}, decode {at_disconnect[1].used} tokens then); the other request "
+        f"ended {run.ended:.2f}s later; {outcome}; KV used prefill {before_p.used}->{after_p.used} (in {freed_p:.1f}s), "
+        f"decode {before_d.used}->{after_d.used} (in {freed_d:.1f}s)"
     )
 
 
@@ -334,8 +368,8 @@ def test_a_killed_prefill_fails_decode_requests_and_the_decode_serves_on(cluster
         thread.start()
     # The decode holds its pages from the first moment; the prefill's compute is what ends
     # soon (a 1500-token prompt in well under a second): look at it last, kill at once.
-    _until(lambda: d.kv_usage().used > 0, 60.0, "the decode holding pages")
-    _until(lambda: p.kv_usage().used > 0, 60.0, "the prefill computing a prompt")
+    _until(lambda: d.kv_usage().used > 0, 60.0, "the decode holding pages", (p, d))
+    _until(lambda: p.kv_usage().used > 0, 60.0, "the prefill computing a prompt", (p, d))
     p.kill()
     killed = time.monotonic()
     held_at_kill = d.kv_usage()  # nothing is freed before the window passes
