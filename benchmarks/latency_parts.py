@@ -21,7 +21,10 @@ latency stays near SGLang's"):
   same four 16 KiB writes as the one transfer of four descriptors that
   kvfsm's NIXL backend submits, two agents in one process (these are the
   ``raw`` rows of `benchmarks/vs_sglang.py`, which runs them through
-  `raw_page_writes`);
+  `raw_page_writes`); with NIXL also the same transfer into a second
+  process napping 100 us between progress calls (kvfsm's decode), alone
+  and right after a notification to it (what a commit marker sent as a
+  notification costs the next transfer);
 * naps: `time.sleep(20e-6)` with the default timer slack and with 1 us
   (`kvfsm.backends._naps.precise_naps`, what the writer and control
   threads set);
@@ -368,6 +371,100 @@ def nixl_page_samples(count: int) -> list[float]:
         a.release_xfer_handle(handle)
 
     return _samples(count, step)
+
+
+NOTE = b"n" * 37  # a commit marker's size as a NIXL notification (kvfsm.backends._markers.NOTE_BYTES)
+
+
+def _nixl_note_receiver(conn: Any, nap: float) -> None:
+    """The decode's side of `nixl_after_a_notification`: an agent progressed every `nap` s, as kvfsm's decode does."""
+    import torch
+
+    from kvfsm.backends.nixl import _import_nixl
+
+    nixl_agent, nixl_agent_config = _import_nixl()
+    dst = torch.zeros(2 * PAGE, dtype=torch.uint8)
+    agent = nixl_agent("raw-note-b", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent.register_memory([(dst.data_ptr(), dst.numel(), 0, "")], "DRAM")
+    conn.send((bytes(agent.get_agent_metadata()), dst.data_ptr()))
+    notes = 0
+    while not conn.poll(0):
+        notes += sum(len(messages) for messages in agent.get_new_notifs().values())
+        time.sleep(nap)
+    conn.recv()
+    conn.send(notes)
+
+
+def nixl_after_a_notification(count: int, nap: float = 100e-6) -> dict[str, list[float]]:
+    """One page's transfer into another process, alone and right after a NIXL notification to it (seconds each).
+
+    The receiver is a second process that progresses its agent every `nap`
+    (kvfsm's decode: every 0.1 ms while a prefill may write into it). In
+    turns: the page's four 16 KiB writes as one transfer, from
+    `initialize_xfer` to `check_xfer_state` saying DONE (polled without
+    pause); then the same after a notification sent to the receiver
+    (`send_notif`, as kvfsm's prefill sends a room's commit marker). Each
+    notification is counted on arrival. Descriptors have gaps between them,
+    as K and V of two layers do, so NIXL cannot merge them.
+    """
+    import torch
+
+    from kvfsm.backends.nixl import _import_nixl
+
+    nixl_agent, nixl_agent_config = _import_nixl()
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds engine threads
+    ours, theirs = spawn.Pipe()
+    receiver = spawn.Process(target=_nixl_note_receiver, args=(theirs, nap), daemon=True)
+    receiver.start()
+    try:
+        if not ours.poll(60):
+            raise RuntimeError("the NIXL receiver process did not start within 60 s")
+        metadata, dst = ours.recv()
+        src = torch.ones(2 * PAGE, dtype=torch.uint8)
+        agent = nixl_agent("raw-note-a", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        agent.register_memory([(src.data_ptr(), src.numel(), 0, "")], "DRAM")
+        name = agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        size = PAGE // REGIONS
+        mine = agent.get_xfer_descs([(src.data_ptr() + 2 * i * size, size, 0) for i in range(REGIONS)], "DRAM")
+        yours = agent.get_xfer_descs([(dst + 2 * i * size, size, 0) for i in range(REGIONS)], "DRAM")
+
+        def transfer() -> float:
+            start = time.perf_counter()
+            handle = agent.initialize_xfer("WRITE", mine, yours, name, b"")
+            state = agent.transfer(handle)
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError("NIXL write ended with ERR")
+                state = agent.check_xfer_state(handle)
+            took = time.perf_counter() - start
+            agent.release_xfer_handle(handle)
+            return took
+
+        found: dict[str, list[float]] = {"alone": [], "after": []}
+        sent = 0
+        for index in range(20 + count):
+            for kind in ("alone", "after"):
+                time.sleep(0.0005)  # the receiver's naps, not this loop, set the pace
+                if kind == "after":
+                    agent.send_notif(name, NOTE)
+                    agent.get_new_notifs()
+                    sent += 1
+                took = transfer()
+                if index >= 20:
+                    found[kind].append(took)
+        ours.send("stop")
+        if not ours.poll(10):
+            raise RuntimeError("the NIXL receiver process did not answer within 10 s")
+        arrived = ours.recv()
+        if arrived != sent:
+            raise RuntimeError(f"{sent} notifications sent, {arrived} arrived")
+        return found
+    finally:
+        receiver.join(10)
+        if receiver.is_alive():
+            receiver.kill()
+            receiver.join()
 
 
 def raw_page_writes(engine: str, count: int) -> list[float]:
@@ -744,6 +841,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples["nixl"] = nixl
             show("nixl", "NIXL, four 16 KiB writes in one transfer", _median_us(nixl))
             show("nixl_p99", "NIXL, the same transfer, p99", _percentile_us(nixl, 0.99))
+            noted = nixl_after_a_notification(args.count)
+            samples.update(nixl_apart=noted["alone"], nixl_after_note=noted["after"])
+            show("nixl_apart", "NIXL, the same into another process", _median_us(noted["alone"]))
+            show("nixl_after_note", "NIXL, the same right after a notification to it", _median_us(noted["after"]))
     streams: dict[str, dict[str, float]] = {}
     for engine in (e for e in ("mooncake", "nixl") if e in parts and e not in skipped):
         for inflight in args.stream:

@@ -43,7 +43,7 @@ def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
         for line in done.stdout.splitlines()[1:]
         if re.search(r"\d$", line)
     }
-    expected = 10 + (4 if "mooncake" in engines else 0) + (2 if "nixl" in engines else 0)
+    expected = 10 + (4 if "mooncake" in engines else 0) + (4 if "nixl" in engines else 0)
     assert len(figures) == expected, done.stdout
     assert all(value > 0 for value in figures.values()), figures
     # The engines' samples, one per write (what vs_sglang.py's raw rows are made of).
@@ -52,6 +52,8 @@ def test_every_part_asked_for_prints_a_figure(tmp_path: Path) -> None:
     assert {name: len(data["samples_s"][name]) for name in engines} == dict.fromkeys(engines, 50)
     if "mooncake" in engines:  # the marker after the writes: each sample checked its token landed
         assert len(data["samples_s"]["mooncake_marker"]) == 50
+    if "nixl" in engines:  # into a second process, alone and after a notification (each counted on arrival)
+        assert [len(data["samples_s"][name]) for name in ("nixl_apart", "nixl_after_note")] == [50, 50]
 
 
 def test_an_unknown_part_is_a_usage_error() -> None:
