@@ -336,6 +336,22 @@ def mooncake_page(count: int) -> tuple[float, float]:
     return _median_us(one), _median_us(four)
 
 
+def _nixl_agent(name: str, buffer: Any) -> Any:
+    """A NIXL agent in this process (UCX, no progress thread, as `NixlBackend` runs it) with `buffer` registered."""
+    from kvfsm.backends.nixl import _import_nixl
+
+    nixl_agent, nixl_agent_config = _import_nixl()
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent.register_memory([(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0, "")], "DRAM")
+    return agent
+
+
+def _nixl_peer(agent: Any, metadata: bytes) -> str:
+    """Load a remote agent's metadata into `agent`; the name its transfers and notifications address."""
+    name = agent.add_remote_agent(metadata)
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def nixl_page_samples(count: int) -> list[float]:
     """One page's four 16 KiB writes as one NIXL transfer of four descriptors, as kvfsm submits them.
 
@@ -345,17 +361,10 @@ def nixl_page_samples(count: int) -> list[float]:
     """
     import torch
 
-    from kvfsm.backends.nixl import _import_nixl
-
-    nixl_agent, nixl_agent_config = _import_nixl()
     src = torch.ones(PAGE, dtype=torch.uint8)
     dst = torch.zeros(PAGE, dtype=torch.uint8)
-    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-    a, b = nixl_agent("raw-a", config), nixl_agent("raw-b", config)
-    a.register_memory([(src.data_ptr(), PAGE, 0, "")], "DRAM")
-    b.register_memory([(dst.data_ptr(), PAGE, 0, "")], "DRAM")
-    name = a.add_remote_agent(b.get_agent_metadata())
-    name = name.decode() if isinstance(name, bytes) else str(name)
+    a, b = _nixl_agent("raw-a", src), _nixl_agent("raw-b", dst)
+    name = _nixl_peer(a, b.get_agent_metadata())
     size = PAGE // REGIONS
     local = a.get_xfer_descs([(src.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
     remote = a.get_xfer_descs([(dst.data_ptr() + i * size, size, 0) for i in range(REGIONS)], "DRAM")
@@ -380,12 +389,8 @@ def _nixl_note_receiver(conn: Any, nap: float) -> None:
     """The decode's side of `nixl_after_a_notification`: an agent progressed every `nap` s, as kvfsm's decode does."""
     import torch
 
-    from kvfsm.backends.nixl import _import_nixl
-
-    nixl_agent, nixl_agent_config = _import_nixl()
     dst = torch.zeros(2 * PAGE, dtype=torch.uint8)
-    agent = nixl_agent("raw-note-b", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    agent.register_memory([(dst.data_ptr(), dst.numel(), 0, "")], "DRAM")
+    agent = _nixl_agent("raw-note-b", dst)
     conn.send((bytes(agent.get_agent_metadata()), dst.data_ptr()))
     notes = 0
     while not conn.poll(0):
@@ -409,9 +414,6 @@ def nixl_after_a_notification(count: int, nap: float = 100e-6) -> dict[str, list
     """
     import torch
 
-    from kvfsm.backends.nixl import _import_nixl
-
-    nixl_agent, nixl_agent_config = _import_nixl()
     spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds engine threads
     ours, theirs = spawn.Pipe()
     receiver = spawn.Process(target=_nixl_note_receiver, args=(theirs, nap), daemon=True)
@@ -421,10 +423,8 @@ def nixl_after_a_notification(count: int, nap: float = 100e-6) -> dict[str, list
             raise RuntimeError("the NIXL receiver process did not start within 60 s")
         metadata, dst = ours.recv()
         src = torch.ones(2 * PAGE, dtype=torch.uint8)
-        agent = nixl_agent("raw-note-a", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        agent.register_memory([(src.data_ptr(), src.numel(), 0, "")], "DRAM")
-        name = agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        agent = _nixl_agent("raw-note-a", src)
+        name = _nixl_peer(agent, metadata)
         size = PAGE // REGIONS
         mine = agent.get_xfer_descs([(src.data_ptr() + 2 * i * size, size, 0) for i in range(REGIONS)], "DRAM")
         yours = agent.get_xfer_descs([(dst + 2 * i * size, size, 0) for i in range(REGIONS)], "DRAM")
@@ -669,22 +669,14 @@ def _stream_engine(
     engine: str, src: Any, dst: Any
 ) -> tuple[Callable[..., Any], Callable[[Any], bool], Callable[[], object]]:
     """submit(writes) -> job, poll(job) -> ended, close(): two engines in one process, src -> dst."""
-    nbytes = src.numel()
     if engine == "mooncake":
         a, b, target = _mooncake_pair(src, dst)
         submit, poll = _mooncake_stream_calls(a, target, src.data_ptr(), dst.data_ptr())
         held = (a, b)  # the receiving engine must outlive the writes: only `close` drops it
         return submit, poll, held.__len__
     if engine == "nixl":
-        from kvfsm.backends.nixl import _import_nixl
-
-        nixl_agent, nixl_agent_config = _import_nixl()
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        na, nb = nixl_agent("raw-stream-a", config), nixl_agent("raw-stream-b", config)
-        na.register_memory([(src.data_ptr(), nbytes, 0, "")], "DRAM")
-        nb.register_memory([(dst.data_ptr(), nbytes, 0, "")], "DRAM")
-        name = na.add_remote_agent(nb.get_agent_metadata())
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        na, nb = _nixl_agent("raw-stream-a", src), _nixl_agent("raw-stream-b", dst)
+        name = _nixl_peer(na, nb.get_agent_metadata())
         s1, d1 = src.data_ptr(), dst.data_ptr()
 
         def submit_nixl(writes: list[tuple[int, int, int]]) -> Any:
